@@ -1,0 +1,172 @@
+"""The training command line: parse, check everything, build, ``Trainer(...).train()``.
+
+Only this layer prints and picks exit codes: 2 for bad input (config, flags, data, checkpoints),
+1 for a run stopped by non-finite losses, 130 for a second Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from . import config as C
+from .data import DataError, build_dataset, discover, format_summary, split_cases, validate
+from .trainer import NonFiniteError, Trainer, resolve_device, resolve_precision
+
+log = logging.getLogger("diffusion3d")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+class InputError(Exception):
+    """Bad input found by the command line; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a conditional 3D diffusion model (mask → MRI volume). Every config key can be "
+        "overridden by its name, e.g. --batch_size 2 --lr 2e-4 --labels [1,2,4].",
+    )
+    p.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name} of this project)")
+    p.add_argument("--check_data", action="store_true", help="only validate the data and print a summary")
+    p.add_argument("--accum", dest="gradient_accumulate_every", default=None, metavar="N",
+                   help="short for --gradient_accumulate_every")
+    hints = {}
+    for section, cls in C.SECTIONS.items():
+        group = p.add_argument_group(section)
+        for name, (_, f) in ((n, v) for n, v in C.key_index().items() if v[0] == section):
+            hints[name] = C._type_hints(cls)[name]
+            if hints[name] is bool:
+                group.add_argument(f"--{name}", dest=name, nargs="?", const="true", default=None, metavar="BOOL")
+                group.add_argument(f"--no_{name}", dest=name, action="store_const", const="false")
+            else:
+                group.add_argument(f"--{name}", dest=name, default=None, metavar=name.upper())
+    p.add_argument("--name", default=None, help="run name (default: the config file's stem)")
+    return p
+
+
+def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C.Config:
+    try:
+        cfg = C.load(args.config or DEFAULT_CONFIG)
+        for key in [*C.key_index(), "name"]:
+            value = getattr(args, key, None)
+            if value is not None:
+                C.set_key(cfg, key, C.parse_value(value))
+        C.validate(cfg)
+    except C.ConfigError as e:
+        parser.error(str(e))
+    return cfg
+
+
+def select_checkpoint(cfg: C.Config, results: Path) -> tuple[Path, dict] | None:
+    """Apply --resume auto|none|PATH; raises InputError for what cannot be resumed."""
+    folder = results / "checkpoints"
+    resume = cfg.train.resume
+    existing = ckpt.list_checkpoints(folder)
+    if resume == "none":
+        if existing and not cfg.train.overwrite:
+            raise InputError(f"{folder}: holds {len(existing)} checkpoint(s); use --resume auto to continue "
+                             "or --overwrite to start afresh")
+        return None
+    if resume == "auto":
+        found = ckpt.load_latest_valid(folder)
+        if found is None and existing:
+            raise InputError(f"{folder}: no valid checkpoint among {len(existing)} file(s)")
+    else:
+        try:
+            found = Path(resume), ckpt.load(Path(resume))
+        except ckpt.CheckpointError as e:
+            raise InputError(str(e)) from None
+    if found is None:
+        return None
+    path, state = found
+    breaking, harmless = ckpt.config_differences(state["config"], cfg.to_dict())
+    if breaking:
+        raise InputError(f"{path}: the config differs from the checkpoint's in ways that break the run: "
+                         + "; ".join(breaking) + " (use another --results_dir, or --resume none --overwrite)")
+    for line in harmless:
+        log.info("config change since the checkpoint (allowed): %s", line)
+    return path, state
+
+
+def install_signal_handlers(trainer: Trainer) -> None:
+    """SIGTERM/SIGINT: finish the step, save, exit 0. A second SIGINT stops at once."""
+
+    def request_stop(signum, frame):
+        if trainer.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+              "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+
+def run(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = resolve_config(args, parser)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+    cases = discover(cfg)
+    summaries = validate(cases, cfg)
+    if args.check_data:
+        print(format_summary(summaries))
+        return 0
+    try:
+        device = resolve_device(cfg.train.device)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    cfg.train.precision = resolve_precision(cfg.train.precision, device)
+    results = C.results_dir(cfg)
+    found = select_checkpoint(cfg, results)
+
+    print(f"# diffusion3d resolved config ({results})\n{cfg.to_yaml()}", flush=True)
+    if cfg.train.resume == "none" and cfg.train.overwrite:
+        for sub in ("checkpoints", "tb", "samples"):
+            shutil.rmtree(results / sub, ignore_errors=True)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "config.yaml").write_text(cfg.to_yaml())
+
+    train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else results / "cache"
+    dataset = build_dataset(train_cases, cfg, cache_dir)
+    trainer = Trainer(cfg, dataset, device, results, val_cases)
+    if found is not None:
+        trainer.load_state_dict(found[1])
+        log.info("resumed from %s at step %d (%d samples seen)", found[0], trainer.step, trainer.stream.samples_seen)
+    log.info("%d training cases, %d validation cases, device %s, precision %s, effective batch %d",
+             len(train_cases), len(val_cases), device, cfg.train.precision, cfg.effective_batch)
+    install_signal_handlers(trainer)
+    status = trainer.train()
+    if status == "interrupted":
+        print(f"stopped at step {trainer.step} on request; checkpoint saved in {results / 'checkpoints'}. "
+              "Run the same command again to resume.", flush=True)
+    else:
+        print(f"done: {trainer.step} steps; results in {results}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except (InputError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

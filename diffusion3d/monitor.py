@@ -1,0 +1,76 @@
+"""Monitoring: TensorBoard scalars and slice montages, process memory, the progress bar."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory (Linux reports kB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024**3 if sys.platform == "darwin" else 1024**2)
+
+
+def mid_slices(volume: torch.Tensor) -> torch.Tensor:
+    """[D, H, W] → the three orthogonal mid-slices, each resized to the largest side, as [3, S, S]."""
+    d, h, w = volume.shape
+    size = max(d, h, w)
+    slices = [volume[d // 2], volume[:, h // 2], volume[:, :, w // 2]]
+    resized = [
+        torch.nn.functional.interpolate(s[None, None].float(), size=(size, size), mode="nearest")[0, 0] for s in slices
+    ]
+    return torch.stack([torch.rot90(s, 1) for s in resized])
+
+
+def montage(columns: list[torch.Tensor]) -> torch.Tensor:
+    """Volumes [D, H, W] in [0, 1] (mask, real, sample, ...) → one image [1, 3·S, n·S]: rows = planes."""
+    stacked = torch.stack([mid_slices(v) for v in columns])  # [n, 3, S, S]
+    return rearrange(stacked, "n plane h w -> 1 (plane h) (n w)").clamp(0, 1)
+
+
+class Monitor:
+    """TensorBoard writer (rank 0 only) plus the progress bar. ``purge_step`` drops stale events on resume."""
+
+    def __init__(self, log_dir: Path | None, total_steps: int, start_step: int, quiet: bool, purge_step: int | None = None):
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step) if log_dir is not None else None
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="training", disable=quiet, dynamic_ncols=True)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def hparams(self, hparams: dict[str, Any]) -> None:
+        if self.writer is not None:
+            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+            self.writer.add_hparams(clean, {}, run_name=".")
+
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_image(tag, image, step, dataformats="CHW")
+
+    def progress(self, step: int, postfix: dict[str, str]) -> None:
+        self.bar.n = step
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.refresh()
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,327 @@
+"""The Trainer: the step loop and nothing else. Checkpoint I/O, data and logging live in their modules.
+
+One optimizer step = ``accum`` micro-batches of ``batch_size``, each backpropagating
+``loss.sum() / batch_size / accum`` (so the accumulated gradient is that of one batch of
+batch_size × accum), then once: unscale → clip → optimizer/scaler step → EMA → log → checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import monai
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from . import checkpoint as ckpt
+from .data import SampleStream, make_loader, mask_to_cond
+from .diffusion import GaussianDiffusion
+from .model import build_model
+from .monitor import Monitor, peak_rss_gb
+
+log = logging.getLogger(__name__)
+
+FP16_BACKOFF_ALLOWANCE = 24  # fp16 may skip this many extra steps while the scaler backs off from 2^16
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps with non-finite loss or gradients."""
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {requested!r} asked for, but CUDA is not available")
+    return device
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """fp16 exists only on CUDA: elsewhere a warning and fp32."""
+    if requested == "fp16" and device.type != "cuda":
+        log.warning("precision fp16 needs CUDA; training in fp32 on %s", device.type)
+        return "fp32"
+    return requested
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, kind: str, min_ratio: float) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then constant or cosine."""
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    if kind == "cosine":
+        progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
+        return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return base_lr
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+    step_time: float
+    data_time: float
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg,
+        dataset,
+        device: torch.device | str = "cpu",
+        results_dir: Path | None = None,
+        val_cases: list | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.precision = cfg.train.precision
+        self.results_dir = Path(results_dir) if results_dir is not None else None
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self.val_cases = val_cases or []
+        t = cfg.train
+        torch.manual_seed(t.seed)  # weight init only; training randomness comes from (seed, k)
+        model = build_model(cfg).to(self.device)
+        if self.device.type == "cuda":
+            model = model.to(memory_format=torch.channels_last_3d)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = True
+        self.model = model
+        self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(t.ema_decay), use_buffers=True)
+        self.ema.requires_grad_(False).eval()
+        self.train_model: torch.nn.Module = model
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.train_model = DistributedDataParallel(model, device_ids=ids)
+        self.forward: Callable = torch.compile(self.train_model) if t.compile else self.train_model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.diffusion = GaussianDiffusion.from_config(cfg)
+        self.dataset = dataset
+        self.stream = SampleStream(len(dataset), t.seed)
+        self.step = 0
+        self.skipped_steps = 0
+        self.nonfinite_run = 0
+        self.stop_requested = False
+        self._batches: Iterator | None = None
+
+    # ---- precision --------------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    # ---- data -------------------------------------------------------------------------------------
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        if self._batches is None:
+            pin = self.cfg.data.pin_memory and self.device.type == "cuda"
+            loader = make_loader(self.dataset, self.stream, self.cfg.train.batch_size, self.cfg, pin, self.rank, self.world_size)
+            self._batches = iter(loader)
+        batch = next(self._batches)
+        x0 = batch["image"].to(self.device, non_blocking=True)
+        cond = None
+        if self.cfg.model.with_condition:
+            mask = batch["mask"].to(self.device, non_blocking=True)
+            cond = mask_to_cond(mask, self.cfg.data.labels)
+        if self.device.type == "cuda":
+            x0 = x0.contiguous(memory_format=torch.channels_last_3d)
+        return x0, cond, [int(k) for k in batch["sample_id"]]
+
+    # ---- one optimizer step -----------------------------------------------------------------------
+    def train_step(self) -> StepResult:
+        t = self.cfg.train
+        bs, accum = t.batch_size, t.gradient_accumulate_every
+        lr = lr_at(self.step, t.lr, t.warmup_steps, t.train_num_steps, t.lr_schedule, t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        data_time = 0.0
+        losses = []
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            x0, cond, ids = self._next_batch()
+            data_time += time.perf_counter() - t0
+            last = micro == accum - 1
+            sync = contextlib.nullcontext() if last or self.world_size == 1 else self.train_model.no_sync()
+            with sync:
+                loss = self.diffusion.loss(self.forward, x0, cond, ids, self.autocast)  # [B], fp32
+                self.scaler.scale(loss.sum() / (bs * accum)).backward()
+            losses.append(loss.detach())
+        self.stream.samples_seen += bs * accum * self.world_size
+
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+        mean_loss = torch.cat(losses).mean()
+        stats = torch.stack([mean_loss, grad_norm.float()])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(stats)
+            stats /= self.world_size
+        loss_value, norm_value = stats.tolist()  # the one host-device sync of the step
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)  # skips by itself when it found inf/NaN
+            self.scaler.update()
+        elif finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        if finite:
+            self.nonfinite_run = 0
+            self._update_ema()
+        else:
+            self.skipped_steps += 1
+            self.nonfinite_run += 1
+            limit = t.max_nonfinite_steps + (FP16_BACKOFF_ALLOWANCE if self.scaler.is_enabled() else 0)
+            if not self.scaler.is_enabled():
+                log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped", self.step, loss_value, norm_value)
+            if self.nonfinite_run >= limit:
+                raise NonFiniteError(
+                    f"{self.nonfinite_run} consecutive steps with non-finite loss or gradients (last at step {self.step}); "
+                    "stopped, the last good checkpoint is kept. Try a lower lr, bf16 or fp32."
+                )
+        return StepResult(loss_value, norm_value, lr, not finite, time.perf_counter() - start, data_time)
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        t = self.cfg.train
+        if self.step <= t.ema_start_step:
+            for e, p in zip(self.ema.module.state_dict().values(), self.model.state_dict().values()):
+                e.copy_(p)
+        elif self.step % t.ema_update_every == 0:
+            self.ema.update_parameters(self.model)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        t = self.cfg.train
+        return {
+            "format_version": ckpt.FORMAT_VERSION,
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "lr_schedule": {
+                "kind": t.lr_schedule,
+                "warmup_steps": t.warmup_steps,
+                "last_lr": self.optimizer.param_groups[0]["lr"],
+            },
+            "step": self.step,
+            "samples_seen": self.stream.samples_seen,
+            "skipped_steps": self.skipped_steps,
+            "config": self.cfg.to_dict(),
+            "versions": {
+                "torch": torch.__version__,
+                "monai": monai.__version__,
+                "python": platform.python_version(),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.ema.load_state_dict(state["ema"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        self.stream.samples_seen = int(state["samples_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._batches = None  # restart the loader at the restored stream position
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.is_main or self.results_dir is None:
+            return None
+        folder = self.results_dir / "checkpoints"
+        path = folder / ckpt.checkpoint_name(self.step)
+        ckpt.save_atomic(self.state_dict(), path)
+        t = self.cfg.train
+        ckpt.apply_retention(folder, t.keep_last, t.milestone_every, protect=path)
+        return path
+
+    # ---- sampling for monitoring ------------------------------------------------------------------
+    @torch.no_grad()
+    def sample_validation(self, monitor: Monitor | None) -> list[Path]:
+        from .sample import write_samples
+
+        if not self.is_main or not self.val_cases or self.results_dir is None:
+            return []
+        out_dir = self.results_dir / "samples" / f"step_{self.step:08d}"
+        written, panels = write_samples(
+            self.ema.module, self.diffusion, self.cfg, self.val_cases[: self.cfg.train.num_samples], out_dir,
+            self.device, self.autocast, seed=self.cfg.train.seed,
+        )
+        if monitor is not None:
+            for name, panel in panels.items():
+                monitor.image(f"samples/{name}", panel, self.step)
+            monitor.flush()
+        return written
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def train(self) -> str:
+        """Train to train_num_steps; returns 'finished' or 'interrupted' (a stop was requested)."""
+        t = self.cfg.train
+        log_dir = self.results_dir / "tb" if (self.results_dir is not None and self.is_main) else None
+        monitor = Monitor(log_dir, t.train_num_steps, self.step, t.quiet or not self.is_main,
+                          purge_step=self.step + 1 if self.step > 0 else None)
+        if self.step == 0:
+            monitor.text("config", "```\n" + self.cfg.to_yaml() + "\n```")
+            monitor.hparams({**vars(t), **{f"model.{k}": v for k, v in vars(self.cfg.model).items()}})
+        status = "finished"
+        try:
+            while self.step < t.train_num_steps:
+                result = self.train_step()
+                self._log(monitor, result)
+                if self.step % t.save_every == 0 or self.step == t.train_num_steps:
+                    self.save_checkpoint()
+                if self.step % t.sample_every == 0 or self.step == t.train_num_steps:
+                    self.sample_validation(monitor)
+                if self.stop_requested:
+                    if self.step % t.save_every != 0 and self.step != t.train_num_steps:
+                        self.save_checkpoint()
+                    status = "interrupted"
+                    break
+        finally:
+            monitor.close()
+        return status
+
+    def _log(self, monitor: Monitor, r: StepResult) -> None:
+        t = self.cfg.train
+        volumes = t.batch_size * t.gradient_accumulate_every * self.world_size
+        monitor.progress(self.step, {"loss": f"{r.loss:.4f}", "lr": f"{r.lr:.2e}", "vol/s": f"{volumes / r.step_time:.2f}"})
+        if self.step % t.log_every != 0:
+            return
+        values = {
+            "train/loss": r.loss,
+            "train/lr": r.lr,
+            "train/grad_norm": r.grad_norm,
+            "train/skipped_steps": float(self.skipped_steps),
+            "perf/volumes_per_sec": volumes / r.step_time,
+            "perf/step_time": r.step_time,
+            "perf/data_wait_fraction": r.data_time / r.step_time,
+            "data/epoch": float(self.stream.epoch),
+            "data/samples_seen": float(self.stream.samples_seen),
+        }
+        if self.scaler.is_enabled():
+            values["train/loss_scale"] = float(self.scaler.get_scale())
+        if self.device.type == "cuda":
+            values["mem/gpu_max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 1024**3
+        else:
+            values["mem/rss_gb"] = peak_rss_gb()
+        monitor.scalars(self.step, values)
