@@ -15,8 +15,9 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from . import config as C
+from . import distributed
 from .data import DataError, build_dataset, discover, format_summary, split_cases, validate
-from .trainer import NonFiniteError, Trainer, resolve_device, resolve_precision
+from .trainer import NonFiniteError, Trainer, resolve_precision
 
 log = logging.getLogger("diffusion3d")
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -94,6 +95,14 @@ def select_checkpoint(cfg: C.Config, results: Path) -> tuple[Path, dict] | None:
     return path, state
 
 
+def build_trainer(cfg: C.Config, cases: list, device, results: Path | None, rank: int = 0, world_size: int = 1) -> Trainer:
+    """Split the cases, cache the training set, and build the Trainer."""
+    train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else (results or Path(".")) / "cache"
+    dataset = build_dataset(train_cases, cfg, cache_dir)
+    return Trainer(cfg, dataset, device, results, val_cases, rank, world_size)
+
+
 def install_signal_handlers(trainer: Trainer) -> None:
     """SIGTERM/SIGINT: finish the step, save, exit 0. A second SIGINT stops at once."""
 
@@ -113,38 +122,59 @@ def run(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = resolve_config(args, parser)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
     cases = discover(cfg)
     summaries = validate(cases, cfg)
     if args.check_data:
         print(format_summary(summaries))
         return 0
+
     try:
-        device = resolve_device(cfg.train.device)
+        dist = distributed.setup(cfg.train.device)  # torchrun's RANK/WORLD_SIZE; one process without them
     except ValueError as e:
         raise InputError(str(e)) from None
+    if not dist.is_main:
+        logging.getLogger().setLevel(logging.WARNING)  # one rank narrates, every rank warns
+    device = dist.device
     cfg.train.precision = resolve_precision(cfg.train.precision, device)
     results = C.results_dir(cfg)
-    found = select_checkpoint(cfg, results)
+    # rank 0 alone decides what to resume (or why not) and prepares the folder; the others follow it
+    decision: tuple[str | None, str | None] = (None, None)  # (checkpoint path, error)
+    found = None
+    if dist.is_main:
+        try:
+            found = select_checkpoint(cfg, results)
+            decision = (str(found[0]) if found else None, None)
+        except InputError as e:
+            decision = (None, str(e))
+    resume_path, error = distributed.broadcast_object(decision)
+    if error is not None:
+        raise InputError(error)
 
-    print(f"# diffusion3d resolved config ({results})\n{cfg.to_yaml()}", flush=True)
-    if cfg.train.resume == "none" and cfg.train.overwrite:
-        for sub in ("checkpoints", "tb", "samples"):
-            shutil.rmtree(results / sub, ignore_errors=True)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "config.yaml").write_text(cfg.to_yaml())
+    if dist.is_main:
+        print(f"# diffusion3d resolved config ({results})\n{cfg.to_yaml()}", flush=True)
+        if cfg.train.resume == "none" and cfg.train.overwrite:
+            for sub in ("checkpoints", "tb", "samples"):
+                shutil.rmtree(results / sub, ignore_errors=True)
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "config.yaml").write_text(cfg.to_yaml())
+    distributed.barrier()  # nobody reads results_dir (cache, checkpoint) before rank 0 has prepared it
 
-    train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
-    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else results / "cache"
-    dataset = build_dataset(train_cases, cfg, cache_dir)
-    trainer = Trainer(cfg, dataset, device, results, val_cases)
-    if found is not None:
-        trainer.load_state_dict(found[1])
-        log.info("resumed from %s at step %d (%d samples seen)", found[0], trainer.step, trainer.stream.samples_seen)
-    log.info("%d training cases, %d validation cases, device %s, precision %s, effective batch %d",
-             len(train_cases), len(val_cases), device, cfg.train.precision, cfg.effective_batch)
+    trainer = build_trainer(cfg, cases, device, results, dist.rank, dist.world_size)
+    if resume_path is not None:
+        try:
+            state = found[1] if found is not None else ckpt.load(Path(resume_path))
+        except ckpt.CheckpointError as e:
+            raise InputError(f"{e} (rank {dist.rank}: every node must see results_dir, e.g. on a shared "
+                             "filesystem)") from None
+        trainer.load_state_dict(state)
+        log.info("resumed from %s at step %d (%d samples seen)", resume_path, trainer.step, trainer.stream.samples_seen)
+    log.info("%d training cases, %d validation cases, device %s, precision %s, effective batch %d "
+             "(batch_size × accum × %d processes)", len(trainer.dataset), len(trainer.val_cases), device,
+             cfg.train.precision, cfg.effective_batch * dist.world_size, dist.world_size)
     install_signal_handlers(trainer)
     status = trainer.train()
+    if not dist.is_main:
+        return 0
     if status == "interrupted":
         print(f"stopped at step {trainer.step} on request; checkpoint saved in {results / 'checkpoints'}. "
               "Run the same command again to resume.", flush=True)
@@ -154,18 +184,20 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        code = run(argv)
-    except (InputError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        code = 130
-    sys.exit(code)
+    # under torchrun, anything unexpected on one rank ends the whole job with that rank's traceback
+    with distributed.fail_fast():
+        try:
+            code = run(argv)
+        except (InputError, DataError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 2
+        except NonFiniteError as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            code = 130
+    distributed.end_process(code)  # failures leave at once: a clean exit could wait on a stuck peer
 
 
 if __name__ == "__main__":

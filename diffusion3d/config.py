@@ -8,6 +8,7 @@ checked against the field's type.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -141,6 +142,13 @@ class Config:
 
     @property
     def image_channels(self) -> int:
+        """One per image folder, or per manifest column image / image_0, image_1, ..."""
+        if self.data.manifest and Path(self.data.manifest).is_file():
+            with open(self.data.manifest, newline="") as f:
+                header = next(csv.reader(f), [])
+            if "image" not in header:
+                return max(1, sum(1 for c in header if c.startswith("image_") and c[6:].isdigit()))
+            return 1
         dirs = self.data.image_dir
         return len(dirs) if isinstance(dirs, list) else 1
 

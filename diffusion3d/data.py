@@ -7,15 +7,21 @@ a free split of the same samples, and the stream position (``samples_seen``) is 
 
 from __future__ import annotations
 
+import copy
 import csv
 import gzip
+import hashlib
+import json
 import logging
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import monai
 import nibabel as nib
 import numpy as np
 import torch
@@ -33,6 +39,7 @@ from monai.transforms import (
     ScaleIntensityRanged,
     ScaleIntensityRangePercentilesd,
     Spacingd,
+    Transform,
 )
 
 from .diffusion import SALT_PERMUTATION, derive_seed
@@ -86,7 +93,8 @@ def discover(cfg) -> list[Case]:
     d = cfg.data
     need_mask = cfg.model.with_condition
     if d.manifest:
-        return _read_manifest(Path(d.manifest), need_mask)
+        cases = _read_manifest(Path(d.manifest), need_mask)
+        return cases
     image_dirs = d.image_dir if isinstance(d.image_dir, list) else [d.image_dir]
     per_channel = [_scan(Path(p), d.image_suffix) for p in image_dirs]
     masks = _scan(Path(d.mask_dir), d.mask_suffix) if need_mask else {}
@@ -106,6 +114,14 @@ def discover(cfg) -> list[Case]:
     return [Case(n, [found[n] for found in per_channel], masks.get(n)) for n in sorted(names)]
 
 
+def _image_columns(columns: Sequence[str]) -> list[str]:
+    """``image`` alone, or ``image_0``, ``image_1``, ... in numeric order (so image_10 follows image_9)."""
+    if "image" in columns:
+        return ["image"]
+    numbered = [c for c in columns if c.startswith("image_") and c[len("image_"):].isdigit()]
+    return sorted(numbered, key=lambda c: int(c[len("image_"):]))
+
+
 def _read_manifest(path: Path, need_mask: bool) -> list[Case]:
     if not path.is_file():
         raise DataError(f"{path}: manifest not found")
@@ -114,18 +130,26 @@ def _read_manifest(path: Path, need_mask: bool) -> list[Case]:
     if not rows:
         raise DataError(f"{path}: manifest has no rows")
     columns = list(rows[0].keys())
-    image_cols = ["image"] if "image" in columns else sorted(c for c in columns if c.startswith("image_"))
+    image_cols = _image_columns(columns)
     if not image_cols or "case" not in columns or (need_mask and "mask" not in columns):
         raise DataError(f"{path}: manifest needs columns case, image (or image_0, image_1, ...) and mask")
     base = path.parent
-    cases = []
-    for row in rows:
-        images = [(base / row[c]).resolve() for c in image_cols]
-        mask = (base / row["mask"]).resolve() if need_mask else None
-        for p in [*images, *([mask] if mask else [])]:
+    cases: list[Case] = []
+    seen: set[str] = set()
+    for line, row in enumerate(rows, start=2):  # line 1 is the header
+        wanted = [*image_cols, *(["mask"] if need_mask else [])]
+        empty = [c for c in ["case", *wanted] if not (row.get(c) or "").strip()]
+        if empty:
+            raise DataError(f"{path}: line {line} has no value for {', '.join(empty)}")
+        name = row["case"].strip()
+        if name in seen:
+            raise DataError(f"{path}: line {line}: case name {name!r} listed twice")
+        seen.add(name)
+        files = [(base / row[c].strip()).resolve() for c in wanted]
+        for p in files:
             if not p.is_file():
-                raise DataError(f"{p}: file not found (listed in {path}, case {row['case']!r})")
-        cases.append(Case(row["case"], images, mask))
+                raise DataError(f"{p}: file not found (listed in {path}, case {name!r})")
+        cases.append(Case(name, files[: len(image_cols)], files[len(image_cols)] if need_mask else None))
     return cases
 
 
@@ -138,16 +162,49 @@ class VolumeInfo:
     affine: np.ndarray
 
 
+NIFTI_HEADER_SIZES = (348, 540)  # sizeof_hdr of NIfTI-1 and NIfTI-2
+
+
+def _diagnose(path: Path) -> str:
+    """Why nibabel could not open ``path``, in words a user can act on."""
+    if path.stat().st_size == 0:
+        return "empty file"
+    try:
+        if path.name.endswith(".gz"):
+            with path.open("rb") as f:
+                if f.read(2) != b"\x1f\x8b":
+                    return "not gzip-compressed although named .gz"
+            with gzip.open(path, "rb") as f:
+                head = f.read(540)
+        else:
+            with path.open("rb") as f:
+                head = f.read(540)
+    except EOFError as e:
+        return f"truncated file ({e})"
+    except (gzip.BadGzipFile, zlib.error) as e:
+        return f"corrupt gzip data ({e})"
+    sizes = {int(np.frombuffer(head[:4], dtype=order + "i4")[0]) for order in "<>"} if len(head) >= 4 else set()
+    if not sizes & set(NIFTI_HEADER_SIZES):
+        return "not a NIfTI file (no NIfTI header)"
+    if len(head) < 348:
+        return f"truncated file (header of {len(head)} bytes)"
+    return "not a readable NIfTI file"
+
+
 def _read(path: Path) -> tuple[VolumeInfo, np.ndarray]:
     try:
         img = nib.load(str(path))
         data = np.asanyarray(img.dataobj)
-    except (gzip.BadGzipFile, zlib.error, EOFError) as e:
-        raise DataError(f"{path}: corrupt or truncated file ({type(e).__name__}: {e})") from None
+    except EOFError as e:
+        raise DataError(f"{path}: truncated file ({e})") from None
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path}: corrupt gzip data ({e})") from None
     except nib.filebasedimages.ImageFileError:
-        raise DataError(f"{path}: not a NIfTI file") from None
+        raise DataError(f"{path}: {_diagnose(path)}") from None
     except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        kind = "truncated file" if "Expected" in first and "bytes" in first else "unreadable"
+        raise DataError(f"{path}: {kind} ({first})") from None
     if data.ndim == 4 and data.shape[3] == 1:
         data = data[..., 0]
     if data.ndim != 3:
@@ -169,6 +226,8 @@ def check_case(case: Case, cfg) -> dict[str, Any]:
             raise DataError(f"{path}: constant image (every voxel is {float(data.flat[0]) if data.size else 'empty'})")
         if infos and info.shape != infos[0].shape:
             raise DataError(f"{path}: shape {info.shape} differs from {case.images[0].name} {infos[0].shape}")
+        if infos and not np.allclose(info.affine, infos[0].affine, atol=d.shape_tolerance_mm):
+            raise DataError(f"{path}: affine differs from {case.images[0].name}'s beyond tolerance")
         infos.append(info)
     summary: dict[str, Any] = {
         "case": case.name,
@@ -275,8 +334,12 @@ def _intensity(cfg) -> list:
     return []
 
 
-def training_transforms(cfg) -> Compose:
-    """Deterministic, so everything is cached: load → channel-first → orient → (spacing) → [-1, 1] → grid."""
+def training_transforms(cfg, keep_meta: bool = False) -> Compose:
+    """Deterministic, so everything is cached: load → channel-first → [-1, 1] → orient → (spacing) → grid.
+
+    ``keep_meta`` leaves MetaTensors (the file's affine, spacing and shape, and every applied operation)
+    for the cache; otherwise plain tensors come out, as the model wants them.
+    """
     with_mask = cfg.model.with_condition
     keys = ["image", "mask"] if with_mask else ["image"]
     modes = ["trilinear", "nearest"] if with_mask else ["trilinear"]
@@ -286,9 +349,42 @@ def training_transforms(cfg) -> Compose:
             *_intensity(cfg),  # per volume, per channel, before padding so padding cannot shift percentiles
             *_spatial(cfg, keys, modes, [-1.0, 0.0][: len(keys)]),
             *([CastToTyped(keys="mask", dtype=np.uint8)] if with_mask else []),
-            EnsureTyped(keys=keys, track_meta=False),  # plain tensors to the model
+            _LoadableMeta() if keep_meta else EnsureTyped(keys=keys, track_meta=False),
         ]
     )
+
+
+def _torch_friendly(value: Any) -> Any:
+    """numpy and enums inside metadata → tensors, numbers and str, which ``torch.load(weights_only=True)`` accepts."""
+    if isinstance(value, np.ndarray):
+        return torch.as_tensor(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Enum):  # MONAI's TraceKeys etc. are str enums; plain str keys look up the same
+        return value.value
+    if isinstance(value, dict):
+        return type(value)((_torch_friendly(k), _torch_friendly(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_torch_friendly(v) for v in value)
+    return value
+
+
+class _LoadableMeta(Transform):
+    """Without this, PersistentDataset cannot read its own files back (numpy in the metadata is refused by
+    the safe loader) and silently decodes every volume again. A MONAI ``Transform`` (not a plain function),
+    so PersistentDataset caches its output rather than stopping the cached part before it."""
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        for value in item.values():
+            if isinstance(value, MetaTensor):
+                value.meta = _torch_friendly(dict(value.meta))
+                value.applied_operations = _torch_friendly(list(value.applied_operations))
+        return item
+
+
+def plain(item: dict[str, Any]) -> dict[str, Any]:
+    """A cached item with its MetaTensors as plain tensors (a view, no copy): what the model is fed."""
+    return {k: v.as_tensor() if isinstance(v, MetaTensor) else v for k, v in item.items()}
 
 
 def mask_to_cond(mask: torch.Tensor, labels: Sequence[int]) -> torch.Tensor:
@@ -327,7 +423,7 @@ class MaskGrid:
         Padding introduced by the inverse (a crop undone) is filled with ``fill``.
         """
         shifted = MetaTensor(volume.detach().cpu().float() - fill, meta=dict(self._ref.meta))
-        shifted.applied_operations = list(self._ref.applied_operations)
+        shifted.applied_operations = copy.deepcopy(self._ref.applied_operations)  # the inverse pops from them
         inverted = self.spatial.inverse({"ref": shifted})["ref"]
         out = np.asarray(inverted.detach().cpu().numpy()) + fill
         if tuple(out.shape[1:]) != self.original_shape:
@@ -348,21 +444,52 @@ def save_nifti(volume: np.ndarray, affine: np.ndarray, path: str | Path, dtype=n
 
 
 # ---- caching, stream, loader ----------------------------------------------------------------------
-def build_dataset(cases: Sequence[Case], cfg, cache_dir: Path | None = None):
-    """Decoded and transformed once: in memory, on disk, or (cache: none) every time."""
-    items = [{"image": [str(p) for p in c.images] if len(c.images) > 1 else str(c.images[0])} for c in cases]
-    if cfg.model.with_condition:
-        for item, c in zip(items, cases):
+def _data_items(cases: Sequence[Case], with_mask: bool) -> list[dict[str, Any]]:
+    items = []
+    for c in cases:
+        item: dict[str, Any] = {"image": [str(p) for p in c.images] if len(c.images) > 1 else str(c.images[0])}
+        if with_mask:
             item["mask"] = str(c.mask)
-    transform = training_transforms(cfg)
+        items.append(item)
+    return items
+
+
+def transform_key(cfg) -> str:
+    """A short hash of every setting the cached tensors depend on: a changed setting gets a fresh cache."""
+    d = cfg.data
+    relevant = {
+        "with_condition": cfg.model.with_condition,
+        "transforms": [d.orientation, d.spacing, d.intensity, d.lower_percentile, d.upper_percentile,
+                       d.intensity_range, d.image_size, d.resize_mode],
+        "monai": monai.__version__,
+    }
+    return hashlib.sha1(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _item_hash(item: dict[str, Any]) -> bytes:
+    """Cache file name of an item: its paths plus each file's size and mtime, so an edited file is re-read."""
+    paths = [p for v in item.values() for p in (v if isinstance(v, list) else [v])]
+    stats = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
+    return hashlib.sha1(json.dumps(stats).encode()).hexdigest().encode()
+
+
+def build_dataset(cases: Sequence[Case], cfg, cache_dir: Path | None = None):
+    """Decoded and transformed once: in memory, on disk, or (cache: none) every time.
+
+    Items keep their metadata (MetaTensors); the loader hands plain tensors to the model.
+    """
+    items = _data_items(cases, cfg.model.with_condition)
+    transform = training_transforms(cfg, keep_meta=True)
     kind = cfg.data.cache
     if kind == "memory":
         return CacheDataset(items, transform, cache_rate=1.0, num_workers=max(cfg.data.num_workers, 1), progress=False, copy_cache=False)
     if kind == "disk":
         if cache_dir is None:
             raise ValueError("cache: disk needs a cache_dir")
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        return PersistentDataset(items, transform, cache_dir=cache_dir)
+        folder = Path(cache_dir) / transform_key(cfg)
+        folder.mkdir(parents=True, exist_ok=True)
+        # reset_ops_id would put a TraceKeys enum back into the metadata, which the safe loader refuses
+        return PersistentDataset(items, transform, cache_dir=folder, hash_func=_item_hash, track_meta=True, reset_ops_id=False)
     return Dataset(items, transform)
 
 
@@ -412,7 +539,7 @@ class _StreamView(torch.utils.data.Dataset):
         return 2**62
 
     def __getitem__(self, k: int) -> dict[str, Any]:
-        item = dict(self.dataset[self.stream.index(k)])
+        item = plain(self.dataset[self.stream.index(k)])
         item["sample_id"] = k
         return item
 

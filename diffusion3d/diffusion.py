@@ -8,7 +8,8 @@ Samplers (all batched, x0 optionally clipped to [-1, 1]):
   ddim     DDIM on an evenly strided subset of the training steps, eta configurable (0: deterministic)
   ddpm     ancestral sampling with the true posterior variance; with fewer steps than training it is
            DDIM with eta=1 on the strided subset, whose variance is correct for that subset
-  dpmpp2m  DPM-Solver++(2M), second-order multistep in log-SNR, deterministic
+  dpmpp2m  DPM-Solver++(2M), second-order multistep in log-SNR, deterministic, on steps evenly spaced
+           in log-SNR
 """
 
 from __future__ import annotations
@@ -154,10 +155,37 @@ class GaussianDiffusion:
         return loss
 
     # ---- sampling ---------------------------------------------------------------------------------
-    def sampling_timesteps(self, steps: int) -> list[int]:
-        steps = max(1, min(steps, self.timesteps))
-        ts = np.linspace(0, self.timesteps - 1, steps).round().astype(int)
-        return sorted(set(ts.tolist()), reverse=True)
+    def sampling_timesteps(self, steps: int, spacing: str = "uniform") -> list[int]:
+        """``steps`` distinct training timesteps, descending, from T-1 (pure noise) to 0.
+
+        ``uniform`` strides evenly in t (DDIM's choice). ``logsnr`` strides evenly in the half log-SNR
+        lambda, the variable DPM-Solver integrates in, so its second-order extrapolation sees equal steps.
+        Evenly in t, the cosine schedule makes the first steps huge in lambda and the solver overshoots
+        the data's spread (oracle test: std +24 % at 10 steps, within 2 % in lambda). T-1 is always the
+        first step and lambda is spaced from T-2 on: the 0.999 beta clamp puts lambda(T-1) far below the
+        rest, and spacing from there would spend several steps on pure noise.
+        """
+        steps = max(1, min(int(steps), self.timesteps))
+        if spacing == "uniform":
+            return np.linspace(self.timesteps - 1, 0, steps).round().astype(int).tolist()
+        if spacing != "logsnr":
+            raise ValueError(f"unknown timestep spacing {spacing!r}")
+        if steps == 1:
+            return [self.timesteps - 1]
+        lam = 0.5 * np.log(self.snr.double().numpy())  # decreasing in t
+        targets = np.linspace(lam[max(self.timesteps - 2, 0)], lam[0], steps - 1)
+        nearest = np.abs(lam[None, :] - targets[:, None]).argmin(1)
+        return _distinct_descending(np.append(nearest, self.timesteps - 1), self.timesteps)
+
+    def visited_timesteps(self, sampler: str, steps: int | None) -> list[int]:
+        """The timesteps a sampler evaluates the model at (ddpm: all training steps unless told fewer)."""
+        if sampler == "ddpm":
+            return self.sampling_timesteps(steps or self.timesteps)
+        if sampler == "ddim":
+            return self.sampling_timesteps(steps or 50)
+        if sampler == "dpmpp2m":
+            return self.sampling_timesteps(steps or 50, "logsnr")
+        raise ValueError(f"unknown sampler {sampler!r}")
 
     @torch.no_grad()
     def sample(
@@ -172,18 +200,27 @@ class GaussianDiffusion:
         device: torch.device | str = "cpu",
         autocast: Callable[[], object] | None = None,
         progress: bool = False,
+        seeds: Sequence[int] | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Generate a batch of shape ``shape`` (B, C, D, H, W). A fixed seed reproduces the result."""
+        """Generate a batch of shape ``shape`` (B, C, D, H, W). A fixed seed reproduces the result.
+
+        With ``seeds`` (one per volume) volume b draws its noise as a batch of one with seed=seeds[b]
+        would, so a volume does not depend on its batch mates. Noise is drawn on the CPU: the same
+        numbers on every device. ``on_step`` is called once per model evaluation.
+        """
         device = torch.device(device)
-        g = torch.Generator().manual_seed(derive_seed(seed, SALT_SAMPLING))
+        gens = [torch.Generator().manual_seed(derive_seed(s, SALT_SAMPLING)) for s in (seeds or [seed])]
+
+        def noise(size: Sequence[int]) -> torch.Tensor:
+            if seeds is None:
+                return torch.randn(tuple(size), generator=gens[0]).to(device)
+            return torch.stack([torch.randn(tuple(size[1:]), generator=g) for g in gens]).to(device)
+
         if sampler == "ddpm":
-            steps, eta = steps or self.timesteps, 1.0
-        elif sampler in ("ddim", "dpmpp2m"):
-            steps = steps or 50
-        else:
-            raise ValueError(f"unknown sampler {sampler!r}")
-        ts = self.sampling_timesteps(steps)
-        x = torch.randn(tuple(shape), generator=g).to(device)
+            eta = 1.0
+        ts = self.visited_timesteps(sampler, steps)
+        x = noise(shape)
 
         def predict(x_t: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
             tt = torch.full((x_t.shape[0],), t, device=device, dtype=torch.long)
@@ -209,8 +246,10 @@ class GaussianDiffusion:
                 sigma = eta * math.sqrt((1 - a_n) / (1 - a_t) * (1 - a_t / a_n)) if t_next >= 0 else 0.0
                 x = math.sqrt(a_n) * x0 + math.sqrt(max(1 - a_n - sigma**2, 0.0)) * eps
                 if sigma > 0:
-                    x = x + sigma * torch.randn(x.shape, generator=g).to(device)
+                    x = x + sigma * noise(x.shape)
             bar.update(1)
+            if on_step is not None:
+                on_step()
         bar.close()
         return x
 
@@ -235,3 +274,16 @@ class GaussianDiffusion:
             d = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * prev_x0
         x = (sigma_n / sigma_t) * x - alpha_n * math.expm1(-h) * d
         return x, x0, h
+
+
+def _distinct_descending(ts: np.ndarray, timesteps: int) -> list[int]:
+    """Nearest-grid timesteps can collide where the grid is coarse in lambda: push collisions apart so
+    that exactly len(ts) distinct steps remain, ending at 0 and starting at T-1."""
+    ts = np.sort(ts.astype(int))
+    ts[0], ts[-1] = 0, timesteps - 1
+    for i in range(1, len(ts)):
+        ts[i] = max(ts[i], ts[i - 1] + 1)
+    ts[-1] = timesteps - 1
+    for i in range(len(ts) - 2, -1, -1):
+        ts[i] = min(ts[i], ts[i + 1] - 1)
+    return ts[::-1].tolist()

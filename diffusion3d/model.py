@@ -8,6 +8,7 @@ backward pass (``torch.utils.checkpoint``, non-reentrant); it changes neither ou
 from __future__ import annotations
 
 import torch
+from monai.data import MetaTensor
 from monai.networks.nets import DiffusionModelUNet
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -66,12 +67,18 @@ class Denoiser(nn.Module):
         self.activation_checkpointing = True
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        # MetaTensors would carry (and re-check) metadata through every layer: the model sees plain tensors.
+        x_t, t = _plain(x_t), _plain(t)
         if self.cond_channels:
             if cond is None or cond.shape[1] != self.cond_channels:
                 got = None if cond is None else cond.shape[1]
                 raise ValueError(f"the denoiser expects {self.cond_channels} condition channels, got {got}")
-            x_t = torch.cat([x_t, cond.to(x_t.dtype)], dim=1)
+            x_t = torch.cat([x_t, _plain(cond).to(x_t.dtype)], dim=1)
         return self.unet(x_t, t)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.as_tensor() if isinstance(x, MetaTensor) else x
 
 
 def build_model(cfg) -> Denoiser:

@@ -36,15 +36,6 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer steps with non-finite loss or gradients."""
 
 
-def resolve_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {requested!r} asked for, but CUDA is not available")
-    return device
-
-
 def resolve_precision(requested: str, device: torch.device) -> str:
     """fp16 exists only on CUDA: elsewhere a warning and fp32."""
     if requested == "fp16" and device.type != "cuda":
@@ -71,6 +62,7 @@ class StepResult:
     skipped: bool
     step_time: float
     data_time: float
+    stop: bool = False  # some rank asked to stop; agreed by all ranks in the step's all-reduce
 
 
 class Trainer:
@@ -146,13 +138,14 @@ class Trainer:
         return x0, cond, [int(k) for k in batch["sample_id"]]
 
     # ---- one optimizer step -----------------------------------------------------------------------
-    def train_step(self) -> StepResult:
+    def accumulate(self) -> tuple[torch.Tensor, float]:
+        """Forward/backward ``accum`` micro-batches; returns the per-sample losses and the data wait time.
+
+        Each micro-batch backpropagates loss.sum() / batch_size / accum, so the summed gradient is that of
+        the mean loss over batch_size × accum samples. No host-device sync happens here.
+        """
         t = self.cfg.train
         bs, accum = t.batch_size, t.gradient_accumulate_every
-        lr = lr_at(self.step, t.lr, t.warmup_steps, t.train_num_steps, t.lr_schedule, t.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        start = time.perf_counter()
         data_time = 0.0
         losses = []
         for micro in range(accum):
@@ -166,15 +159,27 @@ class Trainer:
                 self.scaler.scale(loss.sum() / (bs * accum)).backward()
             losses.append(loss.detach())
         self.stream.samples_seen += bs * accum * self.world_size
+        return torch.cat(losses), data_time
+
+    def train_step(self) -> StepResult:
+        t = self.cfg.train
+        lr = lr_at(self.step, t.lr, t.warmup_steps, t.train_num_steps, t.lr_schedule, t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        losses, data_time = self.accumulate()
 
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-        mean_loss = torch.cat(losses).mean()
-        stats = torch.stack([mean_loss, grad_norm.float()])
+        mean_loss = losses.mean()
+        # SIGTERM reaches the ranks at different moments; agreeing in this all-reduce makes all of them
+        # stop after the same step instead of one rank saving and leaving while the others wait for it
+        stop = torch.tensor(float(self.stop_requested), device=mean_loss.device)
+        stats = torch.stack([mean_loss, grad_norm.float(), stop])
         if self.world_size > 1:
             torch.distributed.all_reduce(stats)
-            stats /= self.world_size
-        loss_value, norm_value = stats.tolist()  # the one host-device sync of the step
+            stats[:2] /= self.world_size
+        loss_value, norm_value, stops = stats.tolist()  # the one host-device sync of the step
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)  # skips by itself when it found inf/NaN
@@ -198,7 +203,7 @@ class Trainer:
                     f"{self.nonfinite_run} consecutive steps with non-finite loss or gradients (last at step {self.step}); "
                     "stopped, the last good checkpoint is kept. Try a lower lr, bf16 or fp32."
                 )
-        return StepResult(loss_value, norm_value, lr, not finite, time.perf_counter() - start, data_time)
+        return StepResult(loss_value, norm_value, lr, not finite, time.perf_counter() - start, data_time, stops > 0)
 
     @torch.no_grad()
     def _update_ema(self) -> None:
@@ -228,8 +233,8 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "config": self.cfg.to_dict(),
             "versions": {
-                "torch": torch.__version__,
-                "monai": monai.__version__,
+                "torch": str(torch.__version__),
+                "monai": str(monai.__version__),
                 "python": platform.python_version(),
             },
         }
@@ -289,11 +294,13 @@ class Trainer:
                 result = self.train_step()
                 self._log(monitor, result)
                 if self.step % t.save_every == 0 or self.step == t.train_num_steps:
+                    monitor.flush()  # events up to a checkpoint's step are on disk before it exists
                     self.save_checkpoint()
                 if self.step % t.sample_every == 0 or self.step == t.train_num_steps:
                     self.sample_validation(monitor)
-                if self.stop_requested:
+                if result.stop:
                     if self.step % t.save_every != 0 and self.step != t.train_num_steps:
+                        monitor.flush()
                         self.save_checkpoint()
                     status = "interrupted"
                     break

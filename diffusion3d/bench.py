@@ -1,0 +1,575 @@
+"""``python -m diffusion3d.bench``: training throughput, memory, sampling and loader speed, FLOP/s.
+
+Every figure is the median of ``--repeats`` timed runs after ``--warmup`` untimed ones, measured on
+synthetic NIfTI phantoms written to a temporary folder at each grid size (so no data is needed).
+
+Memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each configuration). On CPU the process
+peak RSS only grows, so each training configuration runs in a fresh subprocess (``--isolate``); its peak
+RSS and the growth over the RSS before the first step are reported. Independently of any allocator,
+``memory.step_memory`` reports the bytes one forward+backward keeps alive at its peak (``est_step_gb``).
+
+FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` counts one micro-batch's forward+backward once
+(matmuls and convolutions; with activation checkpointing the recomputed forward is counted too, since the
+device executes it). Achieved TFLOP/s = FLOPs per optimizer step / median step time; on a GPU in
+``PEAK_TFLOPS`` also its fraction of the dense bf16/fp16 tensor-core peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import monai
+import nibabel as nib
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from . import config as C
+from .data import SampleStream, build_dataset, discover, make_loader
+from .diffusion import GaussianDiffusion
+from .memory import autocast_factory, forward_backward, step_memory, synthetic_batch
+from .model import build_model, count_parameters
+from .distributed import resolve_device
+from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+SAMPLERS = ("ddpm", "ddim", "dpmpp2m")
+DEFAULT_SAMPLING_STEPS = {"ddpm": 0, "ddim": 50, "dpmpp2m": 20}  # 0: all training timesteps
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from NVIDIA's data sheets; the first name
+# found in torch.cuda.get_device_name() wins, so the more specific names come first.
+PEAK_TFLOPS: list[tuple[str, float]] = [
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("L4", 121.0),
+    ("V100", 125.0),
+]
+
+
+class BenchError(ValueError):
+    """Bad benchmark input; printed as one line ``error: ...`` with exit code 2."""
+
+
+# ---- small helpers ---------------------------------------------------------------------------------
+def peak_tflops(device_name: str) -> float | None:
+    for key, value in PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def current_rss_bytes() -> int:
+    """Resident memory now (Linux /proc/self/statm); 0 where unknown."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def supported_precisions(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        return ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
+    return ["fp32", "bf16"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": str(device),
+        "torch": str(torch.__version__),
+        "monai": str(monai.__version__),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, device_memory_gb=props.total_memory / 2**30,
+                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                    peak_bf16_tflops=peak_tflops(props.name))
+    else:
+        info["device_name"] = _cpu_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+# ---- synthetic data --------------------------------------------------------------------------------
+def write_synthetic_cases(root: Path, size: int, n: int, labels: Sequence[int], image_channels: int = 1,
+                          seed: int = 0) -> tuple[list[Path], Path]:
+    """``n`` NIfTI pairs at ``size``³: nested ellipsoids labelled ``labels`` in order, intensities in [0, 1]."""
+    rng = np.random.default_rng(seed)
+    image_dirs = [root / f"images_{c}" for c in range(image_channels)]
+    mask_dir = root / "masks"
+    for folder in [*image_dirs, mask_dir]:
+        folder.mkdir(parents=True, exist_ok=True)
+    axis = np.arange(size, dtype=np.float32)
+    grid = np.meshgrid(axis, axis, axis, indexing="ij")
+    affine = np.diag([1.5, 1.5, 1.5, 1.0])
+    for i in range(n):
+        centre = size / 2 + rng.uniform(-1, 1, 3)
+        mask = np.zeros((size,) * 3, np.uint8)
+        for level, label in enumerate(labels):
+            radii = size * rng.uniform(0.3, 0.42, 3) * (0.45**level)
+            inside = sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii)) <= 1
+            mask[inside] = label
+        nib.save(nib.Nifti1Image(mask, affine), str(mask_dir / f"case_{i:03d}.nii.gz"))
+        for folder in image_dirs:
+            image = (mask.astype(np.float32) / max(max(labels, default=1), 1) * 0.8 + 0.1
+                     + rng.normal(0, 0.02, mask.shape).astype(np.float32)).clip(0, 1)
+            nib.save(nib.Nifti1Image(image.astype(np.float32), affine), str(folder / f"case_{i:03d}.nii.gz"))
+    return image_dirs, mask_dir
+
+
+def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], precision: str = "fp32",
+                 checkpointing: bool = False, batch_size: int = 1, accum: int = 1, cache: str = "memory") -> C.Config:
+    """The base config's model and diffusion on the synthetic data at ``size``³."""
+    cfg = C.from_dict(base.to_dict())
+    image_dirs, mask_dir = data
+    d, t = cfg.data, cfg.train
+    d.image_dir = str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs]
+    d.mask_dir, d.manifest, d.image_suffix, d.mask_suffix = str(mask_dir), None, "", ""
+    d.image_size, d.spacing, d.intensity, d.intensity_range = [size] * 3, None, "range", [0.0, 1.0]
+    d.cache, d.num_val_cases, d.unknown_labels = cache, 0, "error"
+    cfg.model.activation_checkpointing = checkpointing
+    t.precision, t.batch_size, t.gradient_accumulate_every = precision, batch_size, accum
+    t.results_dir, t.quiet, t.compile, t.warmup_steps, t.train_num_steps = None, True, False, 0, 10**9
+    try:
+        C.validate(cfg)
+    except C.ConfigError as e:
+        raise BenchError(f"size {size}: {e}") from None
+    return cfg
+
+
+# ---- FLOPs -----------------------------------------------------------------------------------------
+def count_train_flops(model: torch.nn.Module, cfg, device: torch.device | str = "cpu", batch: int = 1) -> int:
+    """FLOPs of one micro-batch's forward+backward (as counted by FlopCounterMode: convolutions, matmuls,
+    attention). Deterministic for a given model and shape; the optimizer step is not counted."""
+    device = torch.device(device)
+    diffusion = GaussianDiffusion.from_config(cfg)
+    x0, cond = synthetic_batch(cfg, batch, device)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        forward_backward(model, diffusion, x0, cond, autocast_factory(cfg.train.precision, device))
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+# ---- training --------------------------------------------------------------------------------------
+def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool) -> dict[str, Any]:
+    """Median optimizer-step time of a real Trainer on the config's data, its memory and FLOPs."""
+    trainer = Trainer(cfg, build_dataset(discover(cfg), cfg, None), device, None, [])
+    t = cfg.train
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = current_rss_bytes()
+    times, data_times = [], []
+    for i in range(warmup + repeats):
+        sync(device)
+        start = time.perf_counter()
+        result = trainer.train_step()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            data_times.append(result.data_time)
+    out: dict[str, Any] = {
+        "step_times_s": times,
+        "s_per_step": median(times),
+        "volumes_per_s": t.batch_size * t.gradient_accumulate_every / median(times),
+        "data_time_s": median(data_times),
+        "parameters": count_parameters(trainer.model),
+    }
+    if device.type == "cuda":
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["mem_kind"] = "cuda_max_allocated"
+    else:  # read before anything else below runs in this process: the peak only grows
+        out["peak_mem_gb"] = peak_rss_bytes() / 2**30
+        out["rss_growth_gb"] = max(peak_rss_bytes() - rss_before, 0) / 2**30
+        out["mem_kind"] = "process_peak_rss"
+    flops = count_train_flops(trainer.model, cfg, device, t.batch_size) * t.gradient_accumulate_every
+    out["flops_per_step"] = flops
+    out["achieved_tflops"] = flops / out["s_per_step"] / 1e12
+    if device.type == "cuda":
+        peak = peak_tflops(torch.cuda.get_device_name(device))
+        if peak is not None:
+            out["peak_fraction"] = out["achieved_tflops"] / peak
+    if estimate:
+        mem = step_memory(cfg, t.batch_size, device, trainer.model)
+        out["est_step_gb"] = mem.step_peak_bytes / 2**30
+        out["est_total_gb"] = mem.total_bytes / 2**30
+    return out
+
+
+def run_isolated(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool, workdir: Path) -> dict[str, Any]:
+    """measure_training in a fresh interpreter, so its peak RSS belongs to this configuration alone."""
+    spec = workdir / f"spec_{time.monotonic_ns()}.json"
+    out = spec.with_suffix(".out.json")
+    spec.write_text(json.dumps({"config": cfg.to_dict(), "device": str(device), "warmup": warmup,
+                                "threads": torch.get_num_threads(),
+                                "repeats": repeats, "estimate": estimate, "out": str(out)}))
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-m", "diffusion3d.bench", "--_worker", str(spec)],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"{spec}: benchmark subprocess failed (exit {proc.returncode}): {tail[0]}")
+    return json.loads(out.read_text())
+
+
+def _worker(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = C.from_dict(spec["config"])
+    torch.set_num_threads(spec["threads"])  # the parent's setting, so both processes measure alike
+    result = measure_training(cfg, torch.device(spec["device"]), spec["warmup"], spec["repeats"], spec["estimate"])
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
+
+
+# ---- sampling --------------------------------------------------------------------------------------
+class _TimedModel(torch.nn.Module):
+    """Times each model evaluation (the unit of sampling cost)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.model, self.device, self.times = model, device, []
+
+    def forward(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.model(*args, **kwargs)
+        sync(self.device)
+        self.times.append(time.perf_counter() - start)
+        return out
+
+
+def measure_sampling(cfg, device: torch.device, sampler: str, steps: int, max_steps: int | None,
+                     repeats: int) -> dict[str, Any]:
+    """Seconds per volume (batch 1) for ``steps`` sampling steps; with ``max_steps`` < steps, that many
+    steps run and the time is scaled by steps / steps_run (each step is one model evaluation)."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg).to(device).eval()
+    diffusion = GaussianDiffusion.from_config(cfg)
+    steps = steps or diffusion.timesteps
+    run_steps = min(steps, max_steps) if max_steps else steps
+    _, cond = synthetic_batch(cfg, 1, device)
+    shape = (1, cfg.image_channels, *cfg.data.image_size)
+    autocast = autocast_factory(cfg.train.precision, device)
+    timed = _TimedModel(model, device)
+    with torch.no_grad():  # warm-up: one evaluation
+        with autocast():
+            model(torch.randn(shape, device=device), torch.zeros(1, dtype=torch.long, device=device), cond)
+    totals = []
+    for _ in range(max(repeats, 1)):
+        timed.times.clear()
+        sync(device)
+        start = time.perf_counter()
+        diffusion.sample(timed, shape, cond, sampler, run_steps, device=device, autocast=autocast)
+        sync(device)
+        totals.append(time.perf_counter() - start)
+    measured = median(totals)
+    return {
+        "sampler": sampler,
+        "steps": steps,
+        "steps_run": run_steps,
+        "extrapolated": run_steps < steps,
+        "s_per_volume": measured * steps / run_steps,
+        "s_per_eval": median(timed.times),
+    }
+
+
+# ---- loader ----------------------------------------------------------------------------------------
+def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
+    """Seconds per micro-batch out of the training loader; cache: memory decodes once up front (timed as
+    cache_build_s), cache: none decodes and transforms every volume of every batch."""
+    cases = discover(cfg)
+    start = time.perf_counter()
+    dataset = build_dataset(cases, cfg, None)
+    build = time.perf_counter() - start
+    loader = iter(make_loader(dataset, SampleStream(len(dataset), cfg.train.seed), cfg.train.batch_size, cfg, False))
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        next(loader)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return {"cached": cfg.data.cache == "memory", "s_per_batch": median(times), "batch_times_s": times,
+            "cache_build_s": build, "batch_size": cfg.train.batch_size, "cases": len(cases)}
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise BenchError(f"--{name}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise BenchError(f"--{name}: expected positive integers, got {text!r}")
+    return values
+
+
+def _sampling_steps(text: str | None) -> dict[str, int]:
+    steps = dict(DEFAULT_SAMPLING_STEPS)
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition("=")
+        if name not in SAMPLERS or not value:
+            raise BenchError(f"--sampling_steps: expected sampler=steps (samplers {', '.join(SAMPLERS)}), got {part!r}")
+        try:
+            steps[name] = 0 if value == "all" else int(value)
+        except ValueError:
+            raise BenchError(f"--sampling_steps: {part!r}: steps must be an integer or 'all'") from None
+    return steps
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, through main's handler
+        raise BenchError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m diffusion3d.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="YAML config whose model/diffusion to measure (default: configs/default.yaml)")
+    p.add_argument("--sizes", default="32,64,128", help="grid sizes (cubes) for training, comma-separated")
+    p.add_argument("--precisions", default="auto", help="auto (all the device supports) or e.g. fp32,bf16")
+    p.add_argument("--batch_size", default=None, help="micro-batch size(s), comma-separated (default: the config's)")
+    p.add_argument("--accum", default=None, help="accumulation step(s), comma-separated (default: the config's)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
+    p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
+    p.add_argument("--parts", default="train,sampling", help="what to measure: train, sampling, loader")
+    p.add_argument("--loader", action="store_true", help="also measure the loader (cached vs uncached)")
+    p.add_argument("--sampling", default=",".join(SAMPLERS), help="samplers to time, or none")
+    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,dpmpp2m=20 (these are the defaults)")
+    p.add_argument("--sampling_max_steps", type=int, default=None,
+                   help="run at most this many steps and scale the time up (reported as extrapolated)")
+    p.add_argument("--sampling_sizes", default=None, help="sizes for sampling (default: the smallest of --sizes)")
+    p.add_argument("--sampling_repeats", type=int, default=1, help="timed sampling runs per figure")
+    p.add_argument("--loader_sizes", default=None, help="sizes for the loader (default: --sizes)")
+    p.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
+                   help="each training configuration in a fresh process (auto: on for CPU, where RSS is the memory measure)")
+    p.add_argument("--no_estimate", action="store_true", help="skip the allocator-free step-memory measurement")
+    p.add_argument("--json", default=None, help="also write the results here as JSON")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); on a shared CPU fewer threads can be much faster")
+    p.add_argument("--quick", action="store_true",
+                   help="1 repeat, 1 warm-up, sampling capped at 4 steps (extrapolated), 2 loader batches")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Check every input before anything runs; returns the resolved plan."""
+    try:
+        base = C.load(args.config or DEFAULT_CONFIG)
+        C.validate(base)
+    except C.ConfigError as e:
+        raise BenchError(str(e)) from None
+    try:
+        device = resolve_device(args.device)
+    except (ValueError, RuntimeError) as e:
+        raise BenchError(f"--device: {e}") from None
+    supported = supported_precisions(device)
+    precisions = supported if args.precisions == "auto" else [p.strip() for p in args.precisions.split(",") if p.strip()]
+    for p in precisions:
+        if p not in supported:
+            raise BenchError(f"--precisions: {p} is not supported on {device.type} (supported: {', '.join(supported)})")
+    samplers = [] if args.sampling == "none" else [s.strip() for s in args.sampling.split(",") if s.strip()]
+    for s in samplers:
+        if s not in SAMPLERS:
+            raise BenchError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(SAMPLERS)} or none)")
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()} | ({"loader"} if args.loader else set())
+    if parts - {"train", "sampling", "loader"}:
+        raise BenchError(f"--parts: unknown part(s) {', '.join(sorted(parts - {'train', 'sampling', 'loader'}))}")
+    if args.json:
+        folder = Path(args.json).resolve().parent
+        if not folder.is_dir():
+            raise BenchError(f"{args.json}: folder {folder} does not exist")
+    if args.quick:
+        args.repeats, args.warmup = 1, 1
+        args.sampling_max_steps = args.sampling_max_steps or 4
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BenchError(f"--threads: must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.repeats < 1 or args.warmup < 0:
+        raise BenchError("--repeats must be at least 1 and --warmup at least 0")
+    sizes = _int_list(args.sizes, "sizes")
+    return {
+        "base": base,
+        "device": device,
+        "precisions": precisions,
+        "sizes": sizes,
+        "batch_sizes": _int_list(args.batch_size, "batch_size") if args.batch_size else [base.train.batch_size],
+        "accums": _int_list(args.accum, "accum") if args.accum else [base.train.gradient_accumulate_every],
+        "checkpointing": {"both": [False, True], "on": [True], "off": [False]}[args.checkpointing],
+        "parts": parts,
+        "samplers": samplers,
+        "sampling_steps": _sampling_steps(args.sampling_steps),
+        "sampling_sizes": _int_list(args.sampling_sizes, "sampling_sizes") if args.sampling_sizes else [min(sizes)],
+        "loader_sizes": _int_list(args.loader_sizes, "loader_sizes") if args.loader_sizes else sizes,
+        "isolate": args.isolate == "on" or (args.isolate == "auto" and device.type == "cpu"),
+    }
+
+
+def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    plan = resolve_args(args)
+    base, device = plan["base"], plan["device"]
+    report: dict[str, Any] = {
+        "machine": machine_info(device),
+        "settings": {
+            "config": str(args.config or DEFAULT_CONFIG), "channels": base.model.channels,
+            "attention_levels": base.model.attention_levels, "repeats": args.repeats, "warmup": args.warmup,
+            "quick": args.quick, "isolated": plan["isolate"], "sampling_max_steps": args.sampling_max_steps,
+        },
+        "train": [], "sampling": [], "loader": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="d3d_bench_") as tmp:
+        work = Path(tmp)
+        datasets: dict[int, tuple[list[Path], Path]] = {}
+
+        def data(size: int) -> tuple[list[Path], Path]:
+            if size not in datasets:
+                datasets[size] = write_synthetic_cases(work / f"data_{size}", size, 4, base.data.labels, base.image_channels)
+            return datasets[size]
+
+        if "train" in plan["parts"]:
+            for size in plan["sizes"]:
+                for precision in plan["precisions"]:
+                    for ckpt in plan["checkpointing"]:
+                        for bs in plan["batch_sizes"]:
+                            for accum in plan["accums"]:
+                                cfg = bench_config(base, size, data(size), precision, ckpt, bs, accum)
+                                progress(f"train {size}³ {precision} checkpointing={'on' if ckpt else 'off'} batch {bs} × accum {accum}")
+                                estimate = device.type == "cpu" and not args.no_estimate
+                                if plan["isolate"]:
+                                    r = run_isolated(cfg, device, args.warmup, args.repeats, estimate, work)
+                                else:
+                                    r = measure_training(cfg, device, args.warmup, args.repeats, estimate)
+                                    if device.type == "cpu":
+                                        r["mem_kind"] = "process_peak_rss_shared"  # the same process ran earlier configs
+                                report["train"].append({"size": size, "precision": precision, "checkpointing": ckpt,
+                                                        "batch_size": bs, "accum": accum, **r})
+        if "sampling" in plan["parts"]:
+            for size in plan["sampling_sizes"]:
+                for precision in plan["precisions"]:
+                    cfg = bench_config(base, size, data(size), precision)
+                    for sampler in plan["samplers"]:
+                        progress(f"sampling {size}³ {precision} {sampler}")
+                        r = measure_sampling(cfg, device, sampler, plan["sampling_steps"][sampler],
+                                             args.sampling_max_steps, args.sampling_repeats)
+                        report["sampling"].append({"size": size, "precision": precision, **r})
+        if "loader" in plan["parts"]:
+            for size in plan["loader_sizes"]:
+                for cache in ("memory", "none"):
+                    cfg = bench_config(base, size, data(size), batch_size=plan["batch_sizes"][0], cache=cache)
+                    progress(f"loader {size}³ cache={cache}")
+                    r = measure_loader(cfg, args.warmup, max(args.repeats, 2))
+                    report["loader"].append({"size": size, **r})
+    report["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return report
+
+
+def format_tables(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [f"# {m['device_name']} ({m['device']}), torch {m['torch']}, monai {m['monai']}, "
+             f"{m['torch_threads']} threads, load average {m.get('load_average')} → {m.get('load_average_end')}"]
+    if report["train"]:
+        lines += ["", "training (median of timed optimizer steps)",
+                  f"{'size':>5} {'prec':>5} {'ckpt':>4} {'bs':>3} {'acc':>3} {'s/step':>8} {'vol/s':>8} "
+                  f"{'peak GB':>8} {'Δrss GB':>8} {'est GB':>8} {'GFLOP/step':>11} {'TFLOP/s':>8} {'of peak':>7}"]
+        for r in report["train"]:
+            lines.append(
+                f"{r['size']:>5} {r['precision']:>5} {'on' if r['checkpointing'] else 'off':>4} {r['batch_size']:>3} "
+                f"{r['accum']:>3} {r['s_per_step']:>8.3f} {r['volumes_per_s']:>8.2f} {r['peak_mem_gb']:>8.3f} "
+                f"{_fmt(r.get('rss_growth_gb'))} {_fmt(r.get('est_step_gb'))} {r['flops_per_step'] / 1e9:>11.1f} "
+                f"{r['achieved_tflops']:>8.3f} {_fmt(r.get('peak_fraction'), 7, '.1%')}")
+        kind = report["train"][0]["mem_kind"]
+        lines.append(f"peak GB: {kind}; est GB: allocator-free peak of one micro-batch's forward+backward")
+    if report["sampling"]:
+        lines += ["", "sampling (batch 1)", f"{'size':>5} {'prec':>5} {'sampler':>8} {'steps':>6} {'run':>5} {'s/volume':>9} {'s/eval':>8}"]
+        for r in report["sampling"]:
+            note = "  (extrapolated from the steps run)" if r["extrapolated"] else ""
+            lines.append(f"{r['size']:>5} {r['precision']:>5} {r['sampler']:>8} {r['steps']:>6} {r['steps_run']:>5} "
+                         f"{r['s_per_volume']:>9.2f} {r['s_per_eval']:>8.4f}{note}")
+    if report["loader"]:
+        lines += ["", "loader (median seconds per micro-batch)", f"{'size':>5} {'cached':>6} {'bs':>3} {'s/batch':>9} {'cache build s':>14}"]
+        for r in report["loader"]:
+            lines.append(f"{r['size']:>5} {'yes' if r['cached'] else 'no':>6} {r['batch_size']:>3} {r['s_per_batch']:>9.4f} "
+                         f"{r['cache_build_s'] if r['cached'] else 0:>14.2f}")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, width: int = 8, spec: str = ".3f") -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args._worker:
+            return _worker(args._worker)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        report = run_benchmark(args, lambda s: print(f"... {s}", file=sys.stderr, flush=True))
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_tables(report), flush=True)
+    if args.json:
+        path = Path(args.json)
+        tmp = path.with_name(f".tmp.{path.name}")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The benchmark command and memory planning, on the tiny 16³ model (never asserting timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, tiny_config
+from diffusion3d import bench, memory
+from diffusion3d.memory import MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # on a shared 2-core machine two torch threads can be an order of magnitude slower than one
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _write_config(tmp_path, **overrides):
+    cfg = tiny_config(tmp_path, **overrides)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(cfg.to_yaml())
+    return cfg, path
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+# ---- the benchmark command -----------------------------------------------------------------------
+def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, capsys):
+    _, config = _write_config(tmp_path)
+    out = tmp_path / "bench.json"
+    code = bench.main(["--config", str(config), "--sizes", "16", "--precisions", "fp32,bf16", "--checkpointing", "off",
+                       "--quick", "--isolate", "off", "--sampling", "ddpm,dpmpp2m", "--sampling_max_steps", "2",
+                       "--loader", "--device", "cpu", "--threads", "1", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert {"device", "device_name", "torch", "monai", "torch_threads", "load_average"} <= set(report["machine"])
+    assert report["machine"]["torch_threads"] == 1
+    assert [(r["precision"], r["size"]) for r in report["train"]] == [("fp32", 16), ("bf16", 16)]
+    for r in report["train"]:
+        for key in ("s_per_step", "volumes_per_s", "peak_mem_gb", "flops_per_step", "achieved_tflops", "est_step_gb"):
+            assert _positive(r[key]), (key, r[key])
+        assert len(r["step_times_s"]) == 1  # --quick: one timed step
+        assert "peak_fraction" not in r  # no GPU peak on CPU
+    samplers = [(r["sampler"], r["steps"], r["steps_run"], r["extrapolated"]) for r in report["sampling"] if r["precision"] == "fp32"]
+    # ddpm runs all 50 training timesteps of the tiny config; capped at 2 and reported as extrapolated
+    assert samplers == [("ddpm", 50, 2, True), ("dpmpp2m", 20, 2, True)]
+    assert all(_positive(r["s_per_volume"]) and _positive(r["s_per_eval"]) for r in report["sampling"])
+    assert {r["cached"] for r in report["loader"]} == {True, False}
+    assert all(_positive(r["s_per_batch"]) for r in report["loader"])
+    table = capsys.readouterr().out
+    assert "training" in table and "sampling" in table and "loader" in table and "extrapolated" in table
+
+
+def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
+    cfg, config = _write_config(tmp_path)
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffusion3d.bench", "--config", str(config), "--sizes", "16", "--precisions", "fp32",
+         "--checkpointing", "off", "--accum", "2", "--quick", "--parts", "train", "--isolate", "on",
+         "--no_estimate", "--device", "cpu", "--threads", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["train"]
+    assert row["accum"] == 2 and row["batch_size"] == cfg.train.batch_size
+    assert row["mem_kind"] == "process_peak_rss" and _positive(row["peak_mem_gb"]) and row["rss_growth_gb"] >= 0
+    assert "est_step_gb" not in row
+    # FLOPs are counted, not timed: an optimizer step is accum micro-batches of the same work
+    micro = bench.count_train_flops(bench.build_model(cfg), cfg, "cpu", batch=cfg.train.batch_size)
+    assert row["flops_per_step"] == 2 * micro
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--precisions", "fp16"], "fp16 is not supported on cpu"),
+    (["--sizes", "16,x"], "--sizes"),
+    (["--sampling", "euler"], "unknown sampler"),
+    (["--json", "/nonexistent/folder/out.json"], "does not exist"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, needle):
+    _, config = _write_config(tmp_path)
+    code = bench.main(["--config", str(config), "--device", "cpu", "--sizes", "16", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+
+
+def test_bad_config_file_is_an_error_line(tmp_path, capsys):
+    assert bench.main(["--config", str(tmp_path / "missing.yaml"), "--device", "cpu"]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_peak_table_lookup():
+    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert bench.peak_tflops("NVIDIA H200") == 989.0
+    assert bench.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert bench.peak_tflops("Some Future GPU") is None
+
+
+# ---- FLOPs -----------------------------------------------------------------------------------------
+def test_flop_count_is_positive_and_scales_with_voxels(tmp_path):
+    # no attention: every counted op is a convolution or a per-voxel matmul, linear in the voxel count
+    cfg16 = tiny_config(tmp_path / "a", attention_levels=[False, False])
+    cfg32 = tiny_config(tmp_path / "b", size=32, n=1, attention_levels=[False, False])
+    torch.manual_seed(0)
+    model = bench.build_model(cfg16)
+    f16 = bench.count_train_flops(model, cfg16, "cpu", batch=1)
+    f32 = bench.count_train_flops(model, cfg32, "cpu", batch=1)
+    assert f16 > 0
+    assert 6.0 < f32 / f16 < 10.0
+    assert bench.count_train_flops(model, cfg16, "cpu", batch=2) == 2 * f16  # deterministic, linear in batch
+
+
+# ---- memory planning -------------------------------------------------------------------------------
+@pytest.mark.parametrize("effective, max_batch, expected", [
+    (8, 8, (8, 1)), (8, 3, (2, 4)), (8, 100, (8, 1)), (7, 4, (1, 7)), (12, 5, (4, 3)), (1, 1, (1, 1)), (6, 1, (1, 6)),
+])
+def test_plan_accumulation(effective, max_batch, expected):
+    batch, accum = plan_accumulation(effective, max_batch)
+    assert (batch, accum) == expected and batch * accum == effective and batch <= max_batch
+
+
+@pytest.mark.parametrize("effective, max_batch", [(0, 4), (4, 0), (-2, 2), (2.0, 2), (True, 2)])
+def test_plan_accumulation_rejects_bad_input(effective, max_batch):
+    with pytest.raises(MemoryPlanError):
+        plan_accumulation(effective, max_batch)
+
+
+@pytest.mark.parametrize("limit, max_batch", [(0, 8), (1, 8), (5, 8), (8, 8), (20, 8), (13, 64), (1000, 64)])
+def test_search_largest_finds_the_boundary_with_few_trials(limit, max_batch):
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= limit
+
+    assert search_largest(fits, max_batch) == min(limit, max_batch)
+    assert len(tried) <= 2 * max_batch.bit_length() + 1 and max(tried) <= max_batch
+
+
+def test_step_memory_is_linear_in_batch_and_lower_with_checkpointing(tmp_path):
+    plain = tiny_config(tmp_path / "a")
+    ckpt = tiny_config(tmp_path / "b", activation_checkpointing=True)
+    one, two, four = (step_memory(plain, b).step_peak_bytes for b in (1, 2, 4))
+    assert 0 < one < two < four
+    predicted = one + 3 * (two - one)  # the linear fit from batch 1 and 2 predicts batch 4
+    assert abs(four - predicted) / four < 0.1
+    with_ckpt = step_memory(ckpt, 2).step_peak_bytes
+    assert with_ckpt < 0.8 * two  # recomputation frees the blocks' activations
+
+
+def test_find_max_batch_respects_the_limit(tmp_path):
+    cfg = tiny_config(tmp_path)
+    mm = memory.fit_memory_model(cfg)
+    limit = int(mm.total(3) + 0.5 * mm.per_sample_bytes)  # room for 3, not for 4
+    assert find_max_batch(cfg, "cpu", limit_bytes=limit) == 3
+    assert find_max_batch(cfg, "cpu", limit_bytes=10 * 2**30, max_batch=5) == 5
+    with pytest.raises(MemoryPlanError, match="not even batch 1"):
+        find_max_batch(cfg, "cpu", limit_bytes=mm.static_bytes + 1)
+    # the live-bytes measurement it rests on agrees with the fitted line
+    assert abs(step_memory(cfg, 3).total_bytes - mm.total(3)) / mm.total(3) < 0.1

@@ -1,0 +1,232 @@
+"""Checkpoints: exact resume, SIGKILL safety, atomic writes, corrupt files, config changes, retention, signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, make_dataset, tiny_config
+from diffusion3d import checkpoint as ckpt
+from diffusion3d.cli import build_trainer
+from diffusion3d.data import discover
+
+TINY_FLAGS = [
+    "--image_size", "[16,16,16]", "--channels", "[8,16]", "--attention_levels", "[false,true]",
+    "--num_head_channels", "8", "--norm_num_groups", "4", "--timesteps", "50", "--sampling_steps", "2",
+    "--batch_size", "2", "--accum", "1", "--num_val_cases", "1", "--device", "cpu", "--quiet",
+    "--intensity", "range", "--lr", "1e-3",
+]
+
+
+def train_cmd(data: Path, run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "train.py", "--image_dir", str(data / "images"), "--mask_dir", str(data / "masks"),
+            "--results_dir", str(run), *TINY_FLAGS, *extra]
+
+
+def run_cli(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    for key in ("model", "ema"):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+
+
+def test_exact_resume_in_process(tmp_path):
+    """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32)."""
+    cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=2, train_num_steps=4)
+    cases = discover(cfg)
+    straight = build_trainer(cfg, cases, "cpu", None)
+    for _ in range(4):
+        straight.train_step()
+
+    first = build_trainer(cfg, cases, "cpu", tmp_path / "run")
+    for _ in range(2):
+        first.train_step()
+    path = first.save_checkpoint()
+    resumed = build_trainer(cfg, cases, "cpu", None)
+    resumed.load_state_dict(ckpt.load(path))
+    assert resumed.step == 2 and resumed.stream.samples_seen == 4
+    for _ in range(2):
+        resumed.train_step()
+    assert_same_weights(straight.state_dict(), resumed.state_dict())
+    assert resumed.optimizer.state_dict()["state"][0]["step"] == straight.optimizer.state_dict()["state"][0]["step"]
+
+
+def test_checkpoint_holds_everything(tmp_path):
+    cfg = tiny_config(tmp_path, train_num_steps=1)
+    trainer = build_trainer(cfg, discover(cfg), "cpu", tmp_path / "run")
+    trainer.train_step()
+    state = ckpt.load(trainer.save_checkpoint())
+    for key in (*ckpt.REQUIRED_KEYS, "lr_schedule", "versions", "skipped_steps"):
+        assert key in state
+    assert state["step"] == 1 and state["samples_seen"] == 2
+    assert state["versions"]["torch"] == str(torch.__version__)
+    assert state["config"]["train"]["seed"] == cfg.train.seed
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    data = tmp_path / "data"
+    make_dataset(data, n=6, size=16)
+    steps = ["--train_num_steps", "8", "--save_every", "2", "--sample_every", "100"]
+    straight = run_cli(train_cmd(data, tmp_path / "straight", *steps))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(train_cmd(data, run, *steps), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run / "checkpoints" / "step_00000004.pt").exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = sorted(p.name for p in (run / "checkpoints").glob("step_*.pt"))
+    assert "step_00000008.pt" not in done, "killed too late to test anything"
+    assert not list((run / "checkpoints").glob(".*tmp*")) or True  # a temp file may remain; it is never loaded
+
+    resumed = run_cli(train_cmd(data, run, *steps))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr
+    a = ckpt.load(tmp_path / "straight" / "checkpoints" / "step_00000008.pt")
+    b = ckpt.load(run / "checkpoints" / "step_00000008.pt")
+    assert_same_weights(a, b)
+    assert a["samples_seen"] == b["samples_seen"] == 16
+    assert_tensorboard_steps_unique(run / "tb", 8)
+
+
+def assert_tensorboard_steps_unique(tb: Path, last: int) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == list(range(1, last + 1)), steps
+
+
+def test_truncated_newest_checkpoint_is_skipped(tmp_path, caplog):
+    cfg = tiny_config(tmp_path, train_num_steps=2)
+    trainer = build_trainer(cfg, discover(cfg), "cpu", tmp_path / "run")
+    trainer.train_step()
+    good = trainer.save_checkpoint()
+    trainer.train_step()
+    newest = trainer.save_checkpoint()
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    path, state = ckpt.load_latest_valid(good.parent)
+    assert path == good and state["step"] == 1
+    assert "skipping" in caplog.text and newest.name in caplog.text
+
+
+def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoints" / ckpt.checkpoint_name(1)
+    ckpt.save_atomic({"x": torch.zeros(3)}, path)
+    original = path.read_bytes()
+
+    def failing_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError):
+        ckpt.save_atomic({"x": torch.ones(3)}, path)
+    assert path.read_bytes() == original
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_retention_keeps_last_k_and_milestones(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for step in range(1, 11):
+        ckpt.save_atomic({"step": step}, folder / ckpt.checkpoint_name(step))
+    removed = ckpt.apply_retention(folder, keep_last=2, milestone_every=4)
+    assert [s for s, _ in ckpt.list_checkpoints(folder)] == [4, 8, 9, 10]
+    assert len(removed) == 6
+    ckpt.apply_retention(folder, keep_last=1, milestone_every=0, protect=folder / ckpt.checkpoint_name(9))
+    assert [s for s, _ in ckpt.list_checkpoints(folder)] == [9, 10]
+
+
+def test_config_differences_split_breaking_and_harmless(tmp_path):
+    old = tiny_config(tmp_path).to_dict()
+    new = tiny_config(tmp_path, channels=[8, 32], seed=3, train_num_steps=99, lr=5e-4).to_dict()
+    breaking, harmless = ckpt.config_differences(old, new)
+    assert any(line.startswith("model.channels") for line in breaking)
+    assert any(line.startswith("train.seed") for line in breaking)
+    assert any(line.startswith("train.train_num_steps") for line in harmless)
+    assert any(line.startswith("train.lr") for line in harmless)
+
+
+def test_resume_rules_on_the_command_line(tmp_path):
+    data = tmp_path / "data"
+    make_dataset(data, n=6, size=16)
+    run = tmp_path / "run"
+    first = run_cli(train_cmd(data, run, "--train_num_steps", "2", "--save_every", "2", "--sample_every", "100"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    listing = sorted(p.name for p in run.rglob("*"))
+
+    changed = run_cli(train_cmd(data, run, "--train_num_steps", "4", "--channels", "[8,32]"))
+    assert changed.returncode == 2
+    assert "model.channels: [8, 16] -> [8, 32]" in changed.stderr and "Traceback" not in changed.stderr
+    assert len(changed.stderr.strip().splitlines()) == 1
+
+    refused = run_cli(train_cmd(data, run, "--train_num_steps", "4", "--resume", "none"))
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr
+    missing = run_cli(train_cmd(data, run, "--resume", str(run / "nope.pt")))
+    assert missing.returncode == 2 and "nope.pt: checkpoint not found" in missing.stderr
+    assert sorted(p.name for p in run.rglob("*")) == listing  # nothing written by the refused runs
+
+    more = run_cli(train_cmd(data, run, "--train_num_steps", "3", "--save_every", "2", "--sample_every", "100",
+                             "--lr", "5e-4"))
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "train.lr" in more.stderr and "resumed from" in more.stderr
+    assert ckpt.load(run / "checkpoints" / "step_00000003.pt")["step"] == 3
+
+
+def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    data = tmp_path / "data"
+    make_dataset(data, n=6, size=16)
+    run = tmp_path / "run"
+    cmd = train_cmd(data, run, "--train_num_steps", "100000", "--save_every", "100000", "--sample_every", "100000",
+                    "--log_every", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((run / "tb").glob("events.out.tfevents.*")):
+        time.sleep(0.1)
+    time.sleep(2.0)  # a few steps in
+    return proc, run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
+    proc, run = start_long_run(tmp_path)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "checkpoint saved" in out
+    saved = ckpt.list_checkpoints(run / "checkpoints")
+    assert len(saved) == 1 and saved[0][0] >= 1
+    assert ckpt.load(saved[0][1])["step"] == saved[0][0]
+
+
+def test_second_sigint_exits_at_once(tmp_path):
+    proc, run = start_long_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    lines = []
+    for line in proc.stderr:  # wait until the first SIGINT was handled; two pending signals coalesce
+        lines.append(line)
+        if "finishing the current step" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "interrupted" in err and "Traceback" not in err
+    assert not ckpt.list_checkpoints(run / "checkpoints")  # stopped before saving

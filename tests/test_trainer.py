@@ -1,0 +1,217 @@
+"""The Trainer: loss contract, accumulation invariance, mixed precision, non-finite steps, EMA, lr schedule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from diffusion3d import config as C
+from diffusion3d.cli import build_trainer
+from diffusion3d.data import discover, mask_to_cond
+from diffusion3d.trainer import NonFiniteError, lr_at, resolve_precision
+
+
+def trainer_for(cfg, results=None):
+    return build_trainer(cfg, discover(cfg), "cpu", results)
+
+
+def with_keys(cfg, **values):
+    for key, value in values.items():
+        C.set_key(cfg, key, value)
+    C.validate(cfg)
+    return cfg
+
+
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_accumulated_gradient_equals_one_large_batch(tmp_path):
+    """batch 1 × accum 4 accumulates exactly the gradient of the mean loss over the same 4 samples."""
+    cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=4)
+    trainer = trainer_for(cfg)
+    losses, _ = trainer.accumulate()
+    accumulated = [p.grad.clone() for p in trainer.model.parameters()]
+    assert trainer.stream.samples_seen == 4
+
+    # direct: one batch of the same four samples (ids 0..3), mean loss, one backward
+    trainer.model.zero_grad(set_to_none=True)
+    items = [trainer.dataset[trainer.stream.index(k)] for k in range(4)]
+    x0 = torch.stack([it["image"] for it in items])
+    cond = mask_to_cond(torch.stack([it["mask"] for it in items]), cfg.data.labels)
+    direct_losses = trainer.diffusion.loss(trainer.model, x0, cond, [0, 1, 2, 3])
+    direct_losses.mean().backward()
+    torch.testing.assert_close(losses, direct_losses.detach(), rtol=1e-5, atol=1e-6)
+    for a, d in zip(accumulated, (p.grad for p in trainer.model.parameters())):
+        torch.testing.assert_close(a, d, rtol=1e-4, atol=1e-7)
+
+
+def test_logged_loss_is_the_true_mean_not_the_divided_one(tmp_path):
+    cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=3)
+    trainer = trainer_for(cfg)
+    reference = trainer_for(tiny_config(tmp_path / "ref", batch_size=3, gradient_accumulate_every=1))
+    reference.model.load_state_dict(trainer.model.state_dict())
+    with torch.no_grad():
+        items = [reference.dataset[reference.stream.index(k)] for k in range(3)]
+        x0 = torch.stack([it["image"] for it in items])
+        cond = mask_to_cond(torch.stack([it["mask"] for it in items]), cfg.data.labels)
+        expected = reference.diffusion.loss(reference.model, x0, cond, [0, 1, 2]).mean().item()
+    result = trainer.train_step()
+    assert result.loss == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("splits", [[(2, 1), (1, 2)], [(4, 1), (2, 2), (1, 4)]])
+def test_accumulation_invariance_end_to_end(tmp_path, splits):
+    """3 optimizer steps give the same weights for every split of the same effective batch (fp32, CPU)."""
+    results = []
+    for i, (bs, accum) in enumerate(splits):
+        cfg = tiny_config(tmp_path / str(i), batch_size=bs, gradient_accumulate_every=accum, max_grad_norm=1e9)
+        trainer = trainer_for(cfg)
+        for _ in range(3):
+            trainer.train_step()
+        results.append((flat_weights(trainer.model), flat_weights(trainer.ema.module), trainer.stream.samples_seen))
+    base_w, base_ema, base_seen = results[0]
+    scale = base_w.abs().max()
+    for w, ema, seen in results[1:]:
+        assert seen == base_seen == 3 * splits[0][0] * splits[0][1]
+        assert (w - base_w).abs().max() <= 1e-5 * scale
+        assert (ema - base_ema).abs().max() <= 1e-5 * scale
+
+
+def test_accumulation_loop_never_syncs_with_the_host(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=3)
+    trainer = trainer_for(cfg)
+
+    def guard(original):
+        def checked(tensor, *args, **kwargs):
+            # integer bookkeeping (sample ids, the loader's base seed) lives on the host anyway
+            if tensor.dtype.is_floating_point:
+                raise AssertionError("host-device sync on a float tensor inside the accumulation loop")
+            return original(tensor, *args, **kwargs)
+
+        return checked
+
+    monkeypatch.setattr(torch.Tensor, "item", guard(torch.Tensor.item))
+    monkeypatch.setattr(torch.Tensor, "tolist", guard(torch.Tensor.tolist))
+    trainer.accumulate()
+
+
+def poison_next_forward(trainer):
+    """Make the next forward pass produce NaN (then remove itself)."""
+
+    def hook(module, args, output):
+        handle.remove()
+        return output * float("nan")
+
+    handle = trainer.model.register_forward_hook(hook)
+
+
+def test_fp32_nonfinite_step_is_skipped_and_counted(tmp_path, caplog):
+    cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=2)
+    trainer = trainer_for(cfg)
+    trainer.train_step()
+    before, ema_before = flat_weights(trainer.model), flat_weights(trainer.ema.module)
+    poison_next_forward(trainer)
+    with caplog.at_level(logging.WARNING):
+        result = trainer.train_step()
+    assert result.skipped and trainer.skipped_steps == 1
+    assert "non-finite" in caplog.text
+    assert torch.equal(flat_weights(trainer.model), before)
+    assert torch.equal(flat_weights(trainer.ema.module), ema_before)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert not trainer.train_step().skipped  # the next good step trains again
+    assert trainer.nonfinite_run == 0
+
+
+def test_consecutive_nonfinite_steps_stop_training(tmp_path):
+    cfg = tiny_config(tmp_path, max_nonfinite_steps=3)
+    trainer = trainer_for(cfg)
+    trainer.model.register_forward_hook(lambda m, a, out: out * float("nan"))
+    trainer.train_step()
+    trainer.train_step()
+    with pytest.raises(NonFiniteError, match="3 consecutive steps"):
+        trainer.train_step()
+
+
+def test_fp16_logic_on_cpu_scaler_skips_and_leaves_ema_alone(tmp_path):
+    """fp16 autocast + GradScaler('cpu'): one unscale/step/update per step; an inf step is skipped."""
+    cfg = tiny_config(tmp_path, precision="fp16", batch_size=1, gradient_accumulate_every=2)
+    trainer = trainer_for(cfg)
+    assert trainer.scaler.is_enabled() and trainer.precision == "fp16"
+    first = trainer.train_step()
+    assert not first.skipped
+    scale = trainer.scaler.get_scale()
+    weights, ema = flat_weights(trainer.model), flat_weights(trainer.ema.module)
+    poison_next_forward(trainer)
+    result = trainer.train_step()
+    assert result.skipped and trainer.skipped_steps == 1
+    assert trainer.scaler.get_scale() == scale / 2  # the scaler backed off once
+    assert torch.equal(flat_weights(trainer.model), weights)
+    assert torch.equal(flat_weights(trainer.ema.module), ema)
+    assert trainer.model.unet.conv_in.conv.weight.dtype == torch.float32  # master weights stay fp32
+
+
+def test_fp16_noising_and_loss_stay_fp32(tmp_path):
+    cfg = tiny_config(tmp_path, precision="fp16")
+    trainer = trainer_for(cfg)
+    seen = {}
+    trainer.model.register_forward_hook(lambda m, args, out: seen.update(input=args[0].dtype, output=out.dtype))
+    losses, _ = trainer.accumulate()
+    assert seen == {"input": torch.float32, "output": torch.float16}  # x_t fp32 in, autocast inside
+    assert losses.dtype == torch.float32
+
+
+def test_bf16_runs_without_a_scaler(tmp_path):
+    trainer = trainer_for(tiny_config(tmp_path, precision="bf16"))
+    assert not trainer.scaler.is_enabled()
+    result = trainer.train_step()
+    assert not result.skipped and result.loss > 0
+
+
+def test_fp16_on_cpu_falls_back_to_fp32_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert resolve_precision("fp16", torch.device("cpu")) == "fp32"
+    assert "needs CUDA" in caplog.text
+    assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
+
+
+def test_lr_warmup_and_cosine_count_optimizer_steps(tmp_path):
+    assert lr_at(0, 1.0, 4, 100, "constant", 0.1) == pytest.approx(0.25)
+    assert lr_at(3, 1.0, 4, 100, "constant", 0.1) == pytest.approx(1.0)
+    assert lr_at(50, 1.0, 4, 100, "constant", 0.1) == 1.0
+    assert lr_at(4, 1.0, 4, 100, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_at(100, 1.0, 4, 100, "cosine", 0.1) == pytest.approx(0.1)
+    lrs = {}
+    for accum in (1, 3):
+        cfg = tiny_config(tmp_path / str(accum), batch_size=1, gradient_accumulate_every=accum, warmup_steps=2,
+                          lr_schedule="cosine", train_num_steps=4)
+        trainer = trainer_for(cfg)
+        lrs[accum] = [trainer.train_step().lr for _ in range(3)]
+    assert lrs[1] == lrs[3]
+    assert lrs[1][0] == pytest.approx(cfg.train.lr / 2)
+
+
+def test_ema_is_a_copy_until_the_start_step(tmp_path):
+    cfg = tiny_config(tmp_path, ema_decay=0.9, ema_start_step=2)
+    trainer = trainer_for(cfg)
+    for _ in range(2):
+        trainer.train_step()
+        assert torch.equal(flat_weights(trainer.ema.module), flat_weights(trainer.model))
+    model2 = flat_weights(trainer.model)
+    trainer.train_step()  # step 3: the first average starts from a copy of the model at step 3
+    trainer.train_step()  # step 4: 0.9 * ema(3) + 0.1 * model(4)
+    assert not torch.equal(flat_weights(trainer.ema.module), flat_weights(trainer.model))
+    assert not torch.equal(flat_weights(trainer.ema.module), model2)
+
+
+def test_ema_update_math(tmp_path):
+    cfg = tiny_config(tmp_path, ema_decay=0.9)
+    trainer = trainer_for(cfg)
+    trainer.train_step()
+    assert torch.equal(flat_weights(trainer.ema.module), flat_weights(trainer.model))  # first update copies
+    ema1 = flat_weights(trainer.ema.module)
+    trainer.train_step()
+    torch.testing.assert_close(flat_weights(trainer.ema.module), 0.9 * ema1 + 0.1 * flat_weights(trainer.model))
