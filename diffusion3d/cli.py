@@ -95,6 +95,23 @@ def select_checkpoint(cfg: C.Config, results: Path) -> tuple[Path, dict] | None:
     return path, state
 
 
+def plan_batch(cfg: C.Config, device, dist) -> None:
+    """--batch_size auto: the largest micro-batch that fits, accum derived to keep effective_batch."""
+    from .memory import MemoryPlanError, find_max_batch, plan_accumulation
+
+    effective = cfg.train.effective_batch
+    if effective % dist.world_size:
+        raise InputError(f"effective_batch: {effective} is not divisible by {dist.world_size} processes")
+    try:
+        largest = find_max_batch(cfg, device, max_batch=cfg.train.max_batch)
+    except MemoryPlanError as e:
+        raise InputError(str(e)) from None
+    largest = distributed.broadcast_object(largest)  # every rank uses rank 0's plan
+    cfg.train.batch_size, cfg.train.gradient_accumulate_every = plan_accumulation(effective // dist.world_size, largest)
+    log.info("batch_size auto: largest micro-batch %d -> batch_size %d x accum %d (effective %d)", largest,
+             cfg.train.batch_size, cfg.train.gradient_accumulate_every, effective)
+
+
 def build_trainer(cfg: C.Config, cases: list, device, results: Path | None, rank: int = 0, world_size: int = 1) -> Trainer:
     """Split the cases, cache the training set, and build the Trainer."""
     train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
@@ -136,6 +153,8 @@ def run(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates, every rank warns
     device = dist.device
     cfg.train.precision = resolve_precision(cfg.train.precision, device)
+    if cfg.train.batch_size == "auto":
+        plan_batch(cfg, device, dist)
     results = C.results_dir(cfg)
     # rank 0 alone decides what to resume (or why not) and prepares the folder; the others follow it
     decision: tuple[str | None, str | None] = (None, None)  # (checkpoint path, error)

@@ -74,8 +74,10 @@ class DiffusionConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 1
+    batch_size: int | str = 1  # or "auto": the largest micro-batch that fits (needs effective_batch)
     gradient_accumulate_every: int = 1
+    effective_batch: int | None = None  # batch_size × accum to keep; with batch_size auto, accum is derived
+    max_batch: int = 64  # upper bound searched by batch_size: auto
     train_num_steps: int = 1000
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -158,6 +160,8 @@ class Config:
 
     @property
     def effective_batch(self) -> int:
+        if isinstance(self.train.batch_size, str):  # "auto" before it is resolved
+            return self.train.effective_batch
         return self.train.batch_size * self.train.gradient_accumulate_every
 
 
@@ -286,8 +290,20 @@ def validate(cfg: Config) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
     d, m, t, df = cfg.data, cfg.model, cfg.train, cfg.diffusion
+    if isinstance(t.batch_size, str):
+        if t.batch_size != "auto":
+            raise ConfigError(f"batch_size: expected a positive integer or auto, got {t.batch_size!r}")
+        if t.effective_batch is None:
+            raise ConfigError("batch_size: auto needs effective_batch (the batch_size × accum to keep)")
+    elif t.effective_batch is not None and t.batch_size * t.gradient_accumulate_every != t.effective_batch:
+        raise ConfigError(
+            f"effective_batch: {t.effective_batch} is not batch_size {t.batch_size} × accum {t.gradient_accumulate_every}"
+        )
+    if t.effective_batch is not None and t.effective_batch < 1:
+        raise ConfigError(f"effective_batch: must be at least 1, got {t.effective_batch}")
     positive = {
-        "batch_size": t.batch_size,
+        **({"batch_size": t.batch_size} if isinstance(t.batch_size, int) else {}),
+        "max_batch": t.max_batch,
         "gradient_accumulate_every": t.gradient_accumulate_every,
         "train_num_steps": t.train_num_steps,
         "timesteps": df.timesteps,

@@ -60,7 +60,7 @@ class Case:
 
 
 # ---- discovery ------------------------------------------------------------------------------------
-def _case_name(path: Path, suffix: str) -> str:
+def case_name(path: Path, suffix: str) -> str:
     name = path.name
     for ext in NIFTI_SUFFIXES:
         if name.endswith(ext):
@@ -71,7 +71,7 @@ def _case_name(path: Path, suffix: str) -> str:
     return name
 
 
-def _scan(folder: Path, suffix: str) -> dict[str, Path]:
+def scan_folder(folder: Path, suffix: str) -> dict[str, Path]:
     if not folder.exists():
         raise DataError(f"{folder}: folder not found")
     if not folder.is_dir():
@@ -81,7 +81,7 @@ def _scan(folder: Path, suffix: str) -> dict[str, Path]:
         raise DataError(f"{folder}: no NIfTI files (.nii or .nii.gz) in this folder")
     found: dict[str, Path] = {}
     for p in files:
-        name = _case_name(p, suffix)
+        name = case_name(p, suffix)
         if name in found:
             raise DataError(f"{p}: case name {name!r} also used by {found[name].name}")
         found[name] = p
@@ -96,8 +96,8 @@ def discover(cfg) -> list[Case]:
         cases = _read_manifest(Path(d.manifest), need_mask)
         return cases
     image_dirs = d.image_dir if isinstance(d.image_dir, list) else [d.image_dir]
-    per_channel = [_scan(Path(p), d.image_suffix) for p in image_dirs]
-    masks = _scan(Path(d.mask_dir), d.mask_suffix) if need_mask else {}
+    per_channel = [scan_folder(Path(p), d.image_suffix) for p in image_dirs]
+    masks = scan_folder(Path(d.mask_dir), d.mask_suffix) if need_mask else {}
     names = set(per_channel[0])
     for folder, found in zip(image_dirs[1:], per_channel[1:]):
         missing = sorted(names - set(found))
@@ -191,7 +191,7 @@ def _diagnose(path: Path) -> str:
     return "not a readable NIfTI file"
 
 
-def _read(path: Path) -> tuple[VolumeInfo, np.ndarray]:
+def read_volume(path: Path) -> tuple[VolumeInfo, np.ndarray]:
     try:
         img = nib.load(str(path))
         data = np.asanyarray(img.dataobj)
@@ -214,12 +214,34 @@ def _read(path: Path) -> tuple[VolumeInfo, np.ndarray]:
     return VolumeInfo(tuple(data.shape), zooms, codes, img.affine), data
 
 
+def check_mask_labels(
+    path: Path, mask: np.ndarray, labels: Sequence[int], unknown_labels: str = "error"
+) -> tuple[dict[int, int], list[str]]:
+    """Voxel count per label of a mask, and warnings; DataError for what no model can be conditioned on."""
+    if not np.isfinite(mask).all():
+        raise DataError(f"{path}: contains NaN or infinite voxels")
+    values, counts = np.unique(mask, return_counts=True)
+    if np.any(values != np.round(values)):
+        raise DataError(f"{path}: mask has non-integer values (is this an image?)")
+    label_counts = {int(v): int(c) for v, c in zip(values, counts)}
+    warnings = []
+    unknown = sorted(set(label_counts) - {0, *labels})
+    if unknown:
+        msg = f"{path}: labels {unknown} are not in the configured labels {list(labels)}"
+        if unknown_labels == "error":
+            raise DataError(msg)
+        warnings.append(msg + " (treated as background)")
+    if not any(label_counts.get(label, 0) for label in labels):
+        raise DataError(f"{path}: none of the configured labels {list(labels)} present")
+    return label_counts, warnings
+
+
 def check_case(case: Case, cfg) -> dict[str, Any]:
     """Validate one case; raises DataError naming the file. Returns its summary (and warnings)."""
     d = cfg.data
     infos = []
     for path in case.images:
-        info, data = _read(path)
+        info, data = read_volume(path)
         if not np.isfinite(data).all():
             raise DataError(f"{path}: contains NaN or infinite voxels")
         if data.size == 0 or float(data.max()) == float(data.min()):
@@ -238,25 +260,13 @@ def check_case(case: Case, cfg) -> dict[str, Any]:
     }
     if case.mask is None:
         return summary
-    minfo, mask = _read(case.mask)
+    minfo, mask = read_volume(case.mask)
     if minfo.shape != infos[0].shape:
         raise DataError(f"{case.mask}: mask shape {minfo.shape} differs from image shape {infos[0].shape}")
     if not np.allclose(minfo.affine, infos[0].affine, atol=d.shape_tolerance_mm):
         raise DataError(f"{case.mask}: mask affine differs from the image's ({case.images[0].name}) beyond tolerance")
-    if not np.isfinite(mask).all():
-        raise DataError(f"{case.mask}: contains NaN or infinite voxels")
-    values, counts = np.unique(mask, return_counts=True)
-    if np.any(values != np.round(values)):
-        raise DataError(f"{case.mask}: mask has non-integer values (is this an image?)")
-    label_counts = {int(v): int(c) for v, c in zip(values, counts)}
-    unknown = sorted(set(label_counts) - {0, *d.labels})
-    if unknown:
-        msg = f"{case.mask}: labels {unknown} are not in the configured labels {d.labels}"
-        if d.unknown_labels == "error":
-            raise DataError(msg)
-        summary["warnings"].append(msg + " (treated as background)")
-    if not any(label_counts.get(label, 0) for label in d.labels):
-        raise DataError(f"{case.mask}: none of the configured labels {d.labels} present")
+    label_counts, warnings = check_mask_labels(case.mask, mask, d.labels, d.unknown_labels)
+    summary["warnings"] += warnings
     summary["labels"] = label_counts
     return summary
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
-from .data import NIFTI_SUFFIXES, DataError, _read
+from .data import NIFTI_SUFFIXES, DataError, read_volume
 from .sample import InputError, OneLineParser
 
 log = logging.getLogger("diffusion3d.evaluate")  # not __name__: "__main__" under python -m
@@ -205,18 +205,18 @@ def evaluate(
     rows: list[dict[str, Any]] = []
     per_case: list[dict[str, Any]] = []
     for c in cases:
-        real_info, real_np = _read(c.image)
+        real_info, real_np = read_volume(c.image)
         lo, hi = real_bounds(real_np, real_range, real_percentiles)
         real = to_unit(real_np, lo, hi)
         mask_np = None
         if c.mask is not None:
-            _, mask_np = _read(c.mask)
+            _, mask_np = read_volume(c.mask)
             if mask_np.shape != real_np.shape:
                 raise DataError(f"{c.mask}: mask shape {mask_np.shape} differs from image shape {real_np.shape}")
         case_labels = labels if labels is not None else (sorted(int(v) for v in np.unique(mask_np)) if mask_np is not None else [])
         units = []
         for index, path in sorted(c.samples):
-            info, sample_np = _read(path)
+            info, sample_np = read_volume(path)
             if sample_np.shape != real_np.shape:
                 raise DataError(f"{path}: sample shape {sample_np.shape} differs from the real image's {real_np.shape} ({c.image.name})")
             if not np.allclose(info.affine, real_info.affine, atol=1e-3):

@@ -275,7 +275,10 @@ def find_max_batch(cfg, device: torch.device | str, limit_bytes: int | None = No
     if limit_bytes is not None and limit_bytes <= 0:
         raise MemoryPlanError(f"limit_bytes: must be positive, got {limit_bytes}")
     if device.type == "cuda":
-        best = search_largest(_cuda_trial(cfg, device, limit_bytes), max_batch)
+        fits = _cuda_trial(cfg, device, limit_bytes)
+        best = search_largest(fits, max_batch)
+        del fits  # the trial model and optimizer go; hand their memory back before training allocates
+        torch.cuda.empty_cache()
         method = "trial steps on the GPU"
     else:
         limit = limit_bytes if limit_bytes is not None else int(available_cpu_bytes() * CPU_SAFETY_FRACTION)

@@ -37,7 +37,18 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from . import config as C
-from .data import NIFTI_SUFFIXES, Case, DataError, MaskGrid, _case_name, _read, save_nifti, training_transforms
+from .data import (
+    NIFTI_SUFFIXES,
+    Case,
+    DataError,
+    MaskGrid,
+    case_name,
+    check_mask_labels,
+    read_volume,
+    save_nifti,
+    scan_folder,
+    training_transforms,
+)
 from .diffusion import SALT_SAMPLING, GaussianDiffusion, derive_seed
 from .model import build_model
 from .monitor import montage
@@ -205,40 +216,18 @@ def find_masks(path: Path) -> list[tuple[str, Path]]:
     if path.is_file():
         if not path.name.endswith(NIFTI_SUFFIXES):
             raise DataError(f"{path}: not a NIfTI file (.nii or .nii.gz)")
-        return [(_case_name(path, ""), path)]
-    if not path.exists():
-        raise DataError(f"{path}: not found")
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(NIFTI_SUFFIXES))
-    if not files:
-        raise DataError(f"{path}: no NIfTI files (.nii or .nii.gz) in this folder")
-    found: dict[str, Path] = {}
-    for p in files:
-        name = _case_name(p, "")
-        if name in found:
-            raise DataError(f"{p}: case name {name!r} also used by {found[name].name}")
-        found[name] = p
-    return list(found.items())
+        return [(case_name(path, ""), path)]
+    return sorted(scan_folder(path, "").items())
 
 
 def check_mask(path: Path, cfg) -> None:
     """Can the model be conditioned on this mask? Raises DataError naming the file."""
-    _, data = _read(path)  # 3D (or 4D with one volume), readable, else DataError
+    _, data = read_volume(path)  # 3D (or 4D with one volume), readable, else DataError
     if not cfg.model.with_condition:
         return  # an unconditional model only takes the mask's grid
-    if not np.isfinite(data).all():
-        raise DataError(f"{path}: contains NaN or infinite voxels")
-    values = np.unique(data)
-    if np.any(values != np.round(values)):
-        raise DataError(f"{path}: mask has non-integer values (is this an image?)")
-    labels = cfg.data.labels
-    unknown = sorted(int(v) for v in set(values.tolist()) - {0, *labels})
-    if unknown:
-        msg = f"{path}: labels {unknown} are not among the model's labels {labels}"
-        if cfg.data.unknown_labels == "error":
-            raise DataError(msg)
-        log.warning("%s (treated as background, as in training)", msg)
-    if not any(label in values for label in labels):
-        raise DataError(f"{path}: none of the model's labels {labels} present")
+    _, warnings = check_mask_labels(path, data, cfg.data.labels, cfg.data.unknown_labels)
+    for warning in warnings:
+        log.warning(warning)
 
 
 # ---- the command line -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from .data import SampleStream, make_loader, mask_to_cond
 from .diffusion import GaussianDiffusion
 from .model import build_model
 from .monitor import Monitor, peak_rss_gb
+from .sample import write_samples
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +264,6 @@ class Trainer:
     # ---- sampling for monitoring ------------------------------------------------------------------
     @torch.no_grad()
     def sample_validation(self, monitor: Monitor | None) -> list[Path]:
-        from .sample import write_samples
-
         if not self.is_main or not self.val_cases or self.results_dir is None:
             return []
         out_dir = self.results_dir / "samples" / f"step_{self.step:08d}"

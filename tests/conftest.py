@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# Tiny models gain nothing from a second thread, and on a shared CPU oversubscription made tests up to
+# 10x slower (measured); subprocesses inherit this too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import nibabel as nib
 import numpy as np
@@ -13,7 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from diffusion3d import config as C  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 def write_nifti(path: Path, array: np.ndarray, affine: np.ndarray | None = None) -> Path:

@@ -68,13 +68,39 @@ def test_with_condition_flag_and_config_file(tmp_path):
     "argv, message",
     [
         (["--no_such_flag", "1"], "unrecognized arguments"),
-        (["--batch_size", "two"], "batch_size: expected an integer"),
+        (["--train_num_steps", "two"], "train_num_steps: expected an integer"),
         (["--precision", "fp8"], "precision: 'fp8' is not one of"),
         (["--accum", "0"], "gradient_accumulate_every: must be at least 1"),
         (["--image_size", "[30,32,32]"], "must be divisible by"),
     ],
 )
 def test_bad_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.run(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_batch_size_auto_keeps_the_effective_batch(tmp_path):
+    """--batch_size auto picks the micro-batch (here capped by --max_batch) and derives accum."""
+    args = tiny_args(tmp_path, "--batch_size", "auto", "--effective_batch", "6", "--max_batch", "4",
+                     "--train_num_steps", "1", "--sample_every", "100")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]
+    assert (saved["batch_size"], saved["gradient_accumulate_every"]) == (3, 2)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch_size", "auto"], "auto needs effective_batch"),
+        (["--batch_size", "big"], "expected a positive integer or auto"),
+        (["--batch_size", "2", "--accum", "2", "--effective_batch", "8"], "is not batch_size 2 × accum 2"),
+    ],
+)
+def test_batch_size_auto_bad_values_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.run(argv)
     assert exc.value.code == 2

@@ -152,8 +152,8 @@ def bad_mask(tmp_path, kind: str):
     [
         ("missing_checkpoint", "checkpoint not found"),
         ("corrupt_checkpoint", "unreadable checkpoint"),
-        ("label3", "labels [3] are not among the model's labels"),
-        ("empty", "none of the model's labels"),
+        ("label3", "labels [3] are not in the configured labels"),
+        ("empty", "none of the configured labels"),
         ("4d", "expected a 3D volume"),
         ("float", "non-integer values"),
         ("no_masks", "no NIfTI files"),
