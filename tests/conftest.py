@@ -70,6 +70,11 @@ def tiny_config(tmp_path: Path, n: int = 6, size: int = 16, **overrides) -> C.Co
         quiet=True, device="cpu", warmup_steps=0,
     )
     values.update(overrides)
+    return configure(cfg, **values)
+
+
+def configure(cfg: C.Config, **values) -> C.Config:
+    """Set keys by name (as the command line does) and validate."""
     for key, value in values.items():
         C.set_key(cfg, key, value)
     C.validate(cfg)

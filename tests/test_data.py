@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SHARED_DATA, make_dataset, phantom, write_nifti
+from conftest import ROOT, SHARED_DATA, configure, make_dataset, phantom, write_nifti
 from diffusion3d import config as C
 from diffusion3d import data as D
 
@@ -29,10 +29,7 @@ def make_cfg(tmp_path: Path, **overrides) -> C.Config:
         num_head_channels=8, norm_num_groups=4, results_dir=str(tmp_path / "run"), num_workers=0,
     )
     values.update(overrides)
-    for key, value in values.items():
-        C.set_key(cfg, key, value)
-    C.validate(cfg)
-    return cfg
+    return configure(cfg, **values)
 
 
 @pytest.fixture

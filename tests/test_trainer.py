@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from diffusion3d import config as C
 from diffusion3d.cli import build_trainer
 from diffusion3d.data import discover, mask_to_cond
 from diffusion3d.trainer import NonFiniteError, lr_at, resolve_precision
@@ -16,13 +15,6 @@ from diffusion3d.trainer import NonFiniteError, lr_at, resolve_precision
 
 def trainer_for(cfg, results=None):
     return build_trainer(cfg, discover(cfg), "cpu", results)
-
-
-def with_keys(cfg, **values):
-    for key, value in values.items():
-        C.set_key(cfg, key, value)
-    C.validate(cfg)
-    return cfg
 
 
 def flat_weights(model: torch.nn.Module) -> torch.Tensor:
