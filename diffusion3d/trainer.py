@@ -197,7 +197,9 @@ class Trainer:
             self.skipped_steps += 1
             self.nonfinite_run += 1
             limit = t.max_nonfinite_steps + (FP16_BACKOFF_ALLOWANCE if self.scaler.is_enabled() else 0)
-            if not self.scaler.is_enabled():
+            if self.scaler.is_enabled():  # the scaler backing off: expected now and then, not alarming
+                log.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.step, self.scaler.get_scale())
+            else:
                 log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped", self.step, loss_value, norm_value)
             if self.nonfinite_run >= limit:
                 raise NonFiniteError(

@@ -255,6 +255,34 @@ def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path):
     assert not (tmp_path / "rank0_passed_barrier").exists()
 
 
+def test_train_py_under_torchrun_then_resumed_in_one_process(tmp_path):
+    """The command line itself under torchrun: rank 0 alone writes; a plain run resumes at the global position."""
+    from conftest import make_dataset
+
+    images, masks = make_dataset(tmp_path / "data", n=6, size=16)
+    run = tmp_path / "run"
+    flags = ["--image_dir", str(images), "--mask_dir", str(masks), "--image_size", "[16,16,16]",
+             "--channels", "[8,16]", "--attention_levels", "[false,true]", "--num_head_channels", "8",
+             "--norm_num_groups", "4", "--timesteps", "50", "--sampling_steps", "2", "--batch_size", "1",
+             "--num_val_cases", "1", "--device", "cpu", "--quiet", "--intensity", "range",
+             "--save_every", "2", "--sample_every", "100", "--results_dir", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           "train.py", *flags, "--accum", "1", "--train_num_steps", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stdout.count("# diffusion3d resolved config") == 1  # rank 0 narrates
+    assert len(list((run / "tb").glob("events.out.tfevents.*"))) >= 1
+    state = ckpt.load(run / "checkpoints" / "step_00000002.pt")
+    assert state["samples_seen"] == 2 * WORLD  # 2 steps × batch 1 × accum 1 × 2 processes
+
+    single = subprocess.run([sys.executable, "train.py", *flags, "--accum", "2", "--train_num_steps", "3"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "resumed from" in single.stderr and "at step 2 (4 samples seen)" in single.stderr
+    assert ckpt.load(run / "checkpoints" / "step_00000003.pt")["samples_seen"] == 6
+
+
 # ---- torchrun worker ---------------------------------------------------------------------------------
 def _worker_train(job: Path) -> None:
     info = distributed.setup("cpu")
