@@ -454,7 +454,8 @@ def save_nifti(volume: np.ndarray, affine: np.ndarray, path: str | Path, dtype=n
 
 
 # ---- caching, stream, loader ----------------------------------------------------------------------
-def _data_items(cases: Sequence[Case], with_mask: bool) -> list[dict[str, Any]]:
+def data_items(cases: Sequence[Case], with_mask: bool) -> list[dict[str, Any]]:
+    """The file dicts the MONAI transforms read: several image files of a case load as channels."""
     items = []
     for c in cases:
         item: dict[str, Any] = {"image": [str(p) for p in c.images] if len(c.images) > 1 else str(c.images[0])}
@@ -488,7 +489,7 @@ def build_dataset(cases: Sequence[Case], cfg, cache_dir: Path | None = None):
 
     Items keep their metadata (MetaTensors); the loader hands plain tensors to the model.
     """
-    items = _data_items(cases, cfg.model.with_condition)
+    items = data_items(cases, cfg.model.with_condition)
     transform = training_transforms(cfg, keep_meta=True)
     kind = cfg.data.cache
     if kind == "memory":

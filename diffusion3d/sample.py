@@ -44,6 +44,7 @@ from .data import (
     MaskGrid,
     case_name,
     check_mask_labels,
+    data_items,
     read_volume,
     save_nifti,
     scan_folder,
@@ -155,10 +156,7 @@ def write_samples(
         path = out_dir / f"{case.name}_sample0.nii.gz"
         save_nifti(to_output_intensity(grid.invert(volume, fill=-1.0), cfg), grid.original_affine, path)
         written.append(path)
-        item = {"image": [str(p) for p in case.images] if len(case.images) > 1 else str(case.images[0])}
-        if conditional:
-            item["mask"] = str(case.mask)
-        ref = real(item)
+        ref = real(data_items([case], conditional)[0])
         columns = []
         if conditional:
             columns.append(ref["mask"][0].float() / max(cfg.data.labels))
