@@ -30,7 +30,6 @@ from monai.transforms import (
     CastToTyped,
     Compose,
     CopyItemsd,
-    EnsureChannelFirstd,
     EnsureTyped,
     LoadImaged,
     Orientationd,

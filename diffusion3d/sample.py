@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import sys
 import zlib
 from collections.abc import Callable, Sequence
@@ -50,7 +49,7 @@ from .data import (
     scan_folder,
     training_transforms,
 )
-from .diffusion import SALT_SAMPLING, GaussianDiffusion, derive_seed
+from .diffusion import GaussianDiffusion, derive_seed
 from .model import build_model
 from .monitor import montage
 

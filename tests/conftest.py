@@ -12,7 +12,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import nibabel as nib
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -80,7 +79,3 @@ def configure(cfg: C.Config, **values) -> C.Config:
     C.validate(cfg)
     return cfg
 
-
-@pytest.fixture
-def tiny(tmp_path):
-    return tiny_config(tmp_path)

@@ -14,15 +14,6 @@ from diffusion3d import bench, memory
 from diffusion3d.memory import MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # on a shared 2-core machine two torch threads can be an order of magnitude slower than one
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _write_config(tmp_path, **overrides):
     cfg = tiny_config(tmp_path, **overrides)
     path = tmp_path / "tiny.yaml"

@@ -16,15 +16,6 @@ from diffusion3d.model import Denoiser, build_model, count_parameters
 SIZE = 16
 
 
-@pytest.fixture
-def one_thread():
-    """The CPU is shared: one intra-op thread is several times faster than two under contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_model(**kwargs) -> Denoiser:
     torch.manual_seed(0)
     args = dict(image_channels=1, cond_channels=2, channels=[8, 16], attention_levels=[False, True],
@@ -50,7 +41,7 @@ def phantom_pair() -> tuple[torch.Tensor, torch.Tensor]:
     return x0, cond
 
 
-def test_output_shape_and_plain_tensor(one_thread):
+def test_output_shape_and_plain_tensor():
     model = tiny_model()
     x_t, t, cond = inputs()
     out = model(x_t, t, cond)
@@ -58,7 +49,7 @@ def test_output_shape_and_plain_tensor(one_thread):
     assert tiny_model(cond_channels=0)(x_t, t, None).shape == x_t.shape
 
 
-def test_metatensors_are_fed_as_plain_tensors(one_thread):
+def test_metatensors_are_fed_as_plain_tensors():
     model = tiny_model()
     x_t, t, cond = inputs()
     with torch.no_grad():
@@ -69,7 +60,7 @@ def test_metatensors_are_fed_as_plain_tensors(one_thread):
 
 
 @pytest.mark.parametrize("cond_channels", [None, 1, 3])
-def test_condition_channels_are_enforced(cond_channels, one_thread):
+def test_condition_channels_are_enforced(cond_channels):
     model = tiny_model()
     x_t, t, _ = inputs()
     cond = None if cond_channels is None else inputs(cond_channels=cond_channels)[2]
@@ -77,7 +68,7 @@ def test_condition_channels_are_enforced(cond_channels, one_thread):
         model(x_t, t, cond)
 
 
-def test_activation_checkpointing_changes_no_output_or_gradient(one_thread):
+def test_activation_checkpointing_changes_no_output_or_gradient():
     plain = tiny_model(attention_levels=[True, True])
     ckpt = copy.deepcopy(plain)
     ckpt.enable_activation_checkpointing()
@@ -110,7 +101,7 @@ def test_build_model_from_config(tmp_path):
     assert not build_model(tiny_config(tmp_path / "b")).activation_checkpointing
 
 
-def test_tiny_model_overfits_one_phantom_pair(one_thread):
+def test_tiny_model_overfits_one_phantom_pair():
     """The whole training path (draw, q_sample, loss, backward) learns: loss on fixed held-out draws falls."""
     x0, cond = phantom_pair()
     model = tiny_model()
