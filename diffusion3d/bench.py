@@ -39,7 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import config as C
 from .data import SampleStream, build_dataset, discover, make_loader
-from .diffusion import GaussianDiffusion
+from .diffusion import make_diffusion
 from .memory import autocast_factory, forward_backward, step_memory, synthetic_batch
 from .model import build_model, count_parameters
 from .distributed import resolve_device
@@ -191,7 +191,7 @@ def count_train_flops(model: torch.nn.Module, cfg, device: torch.device | str = 
     """FLOPs of one micro-batch's forward+backward (as counted by FlopCounterMode: convolutions, matmuls,
     attention). Deterministic for a given model and shape; the optimizer step is not counted."""
     device = torch.device(device)
-    diffusion = GaussianDiffusion.from_config(cfg)
+    diffusion = make_diffusion(cfg)
     x0, cond = synthetic_batch(cfg, batch, device)
     counter = FlopCounterMode(display=False)
     with counter:
@@ -295,7 +295,7 @@ def measure_sampling(cfg, device: torch.device, sampler: str, steps: int, max_st
     steps run and the time is scaled by steps / steps_run (each step is one model evaluation)."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg).to(device).eval()
-    diffusion = GaussianDiffusion.from_config(cfg)
+    diffusion = make_diffusion(cfg)
     steps = steps or diffusion.timesteps
     run_steps = min(steps, max_steps) if max_steps else steps
     _, cond = synthetic_batch(cfg, 1, device)
@@ -384,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
     p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
-    p.add_argument("--parts", default="train,sampling", help="what to measure: train, sampling, loader")
+    p.add_argument("--parts", default="train,sampling",
+                   help="what to measure: train, sampling, loader; or quality alone (time to quality: see "
+                   "python -m diffusion3d.bench --parts quality --help)")
     p.add_argument("--loader", action="store_true", help="also measure the loader (cached vs uncached)")
     p.add_argument("--sampling", default=",".join(SAMPLERS), help="samplers to time, or none")
     p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,dpmpp2m=20 (these are the defaults)")
@@ -552,7 +554,23 @@ def _fmt(value: float | None, width: int = 8, spec: str = ".3f") -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
+def _split_quality(argv: list[str]) -> list[str] | None:
+    """``--parts quality`` hands the rest of the command line to the time-to-quality benchmark."""
+    for i, arg in enumerate(argv):
+        if arg == "--parts" and i + 1 < len(argv) and argv[i + 1] == "quality":
+            return argv[:i] + argv[i + 2:]
+        if arg == "--parts=quality":
+            return argv[:i] + argv[i + 1:]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest = _split_quality(argv)
+    if rest is not None:
+        from . import quality
+
+        return quality.main(rest, prog="python -m diffusion3d.bench --parts quality")
     try:
         args = build_parser().parse_args(argv)
         if args._worker:

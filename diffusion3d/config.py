@@ -63,13 +63,17 @@ class ModelConfig:
 class DiffusionConfig:
     timesteps: int = 250
     schedule: str = "cosine"  # cosine | linear
-    prediction: str = "eps"  # eps | v | x0
+    prediction: str = "eps"  # eps | v | x0 (Gaussian diffusion) | flow (rectified flow)
     loss: str = "l1"  # l1 | l2
     min_snr_gamma: float | None = None
-    sampler: str = "ddim"  # ddim | ddpm | dpmpp2m
+    sampler: str = "ddim"  # ddim | ddpm | dpmpp2m (Gaussian) ; euler | heun (flow)
     sampling_steps: int = 50
     ddim_eta: float = 0.0
     clip_x0: bool = True
+    flow_shift: float | None = None  # flow time shift; None: (voxels / 32³)^(1/3) as MONAI's RFlowScheduler
+    flow_time_sampling: str = "logit_normal"  # logit_normal | uniform : training times of the flow
+    cond_drop_prob: float = 0.0  # classifier-free guidance: drop the mask condition of this fraction of samples
+    guidance_scale: float = 1.0  # sampling: uncond + scale * (cond - uncond); 1 = the conditional model alone
 
 
 @dataclass
@@ -89,6 +93,7 @@ class TrainConfig:
     ema_decay: float = 0.995
     ema_update_every: int = 1
     ema_start_step: int = 0
+    ema_warmup: bool = True  # decay min(ema_decay, (1 + n) / (10 + n)) after n updates: early EMA tracks the model
     precision: str = "fp32"  # fp32 | fp16 | bf16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
@@ -119,9 +124,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "output_intensity": ("unit", "model", "source"),
     "cache": ("memory", "disk", "none"),
     "schedule": ("cosine", "linear"),
-    "prediction": ("eps", "v", "x0"),
+    "prediction": ("eps", "v", "x0", "flow"),
     "loss": ("l1", "l2"),
-    "sampler": ("ddim", "ddpm", "dpmpp2m"),
+    "sampler": ("ddim", "ddpm", "dpmpp2m", "euler", "heun"),
+    "flow_time_sampling": ("logit_normal", "uniform"),
     "lr_schedule": ("constant", "cosine"),
     "precision": ("fp32", "fp16", "bf16"),
 }
@@ -347,6 +353,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError("output_intensity: source needs intensity: range (percentile scaling has no fixed source range)")
     if len(t.adam_betas) != 2:
         raise ConfigError("adam_betas: expected two values")
+    flow = df.prediction == "flow"
+    if flow != (df.sampler in ("euler", "heun")):
+        kind = "euler or heun" if flow else "ddim, ddpm or dpmpp2m"
+        raise ConfigError(f"sampler: {df.sampler!r} does not fit prediction {df.prediction!r} (use {kind})")
+    if flow and df.min_snr_gamma is not None:
+        raise ConfigError("min_snr_gamma: applies to Gaussian diffusion (eps / v / x0), not to prediction: flow")
+    if df.flow_shift is not None and df.flow_shift <= 0:
+        raise ConfigError(f"flow_shift: must be positive, got {df.flow_shift}")
+    if not 0.0 <= df.cond_drop_prob < 1.0:
+        raise ConfigError(f"cond_drop_prob: must be in [0, 1), got {df.cond_drop_prob}")
+    if df.guidance_scale < 0:
+        raise ConfigError(f"guidance_scale: must be at least 0, got {df.guidance_scale}")
+    if df.guidance_scale != 1.0 and not m.with_condition:
+        raise ConfigError("guidance_scale: needs with_condition (there is no condition to guide by)")
 
 
 def results_dir(cfg: Config) -> Path:

@@ -1,4 +1,7 @@
-"""Gaussian diffusion: one schedule (fp32) shared by training and every sampler.
+"""The objectives: Gaussian diffusion (eps / v / x0) and rectified flow, their losses and samplers.
+
+``make_diffusion(cfg)`` picks one (``prediction: flow`` is rectified flow, the rest Gaussian diffusion).
+Both share the training contract below, classifier-free guidance and condition dropout.
 
 Training draws each sample's timestep and noise from a generator seeded by ``(seed, k)``, where k is the
 sample's position in the run's stream, so splitting an effective batch into micro-batches or processes
@@ -10,6 +13,16 @@ Samplers (all batched, x0 optionally clipped to [-1, 1]):
            DDIM with eta=1 on the strided subset, whose variance is correct for that subset
   dpmpp2m  DPM-Solver++(2M), second-order multistep in log-SNR, deterministic, on steps evenly spaced
            in log-SNR
+
+Rectified flow (Liu et al. 2022; Esser et al. 2024): x_t = (1 - t) x0 + t eps on t in [0, 1], the model
+predicts the velocity v = eps - x0, training times are logit-normal and shifted toward noise for volumes
+larger than 32³ (MONAI RFlowScheduler's timestep_transform); samplers ``euler`` and ``heun`` (2nd order,
+2 evaluations per step but the last) on the same shifted grid.
+
+Classifier-free guidance (Ho & Salimans 2022): with ``cond_drop_prob`` p, training replaces the condition of
+sample k by the null condition (zeros: never a valid one-hot in {-1, 1}) when u(seed, k) < p; sampling
+with ``guidance_scale`` w evaluates both and uses uncond + w · (cond - uncond). w = 1 is the plain
+conditional model (one evaluation per step).
 """
 
 from __future__ import annotations
@@ -27,6 +40,10 @@ Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 SALT_NOISE = 1
 SALT_PERMUTATION = 2
 SALT_SAMPLING = 3
+SALT_COND_DROP = 4
+GAUSSIAN_SAMPLERS = ("ddim", "ddpm", "dpmpp2m")
+FLOW_SAMPLERS = ("euler", "heun")
+FLOW_TIME_SCALE = 1000.0  # flow time t in [0, 1] reaches the UNet's sinusoidal embedding as t * 1000
 
 
 def derive_seed(*parts: int) -> int:
@@ -50,7 +67,65 @@ def make_betas(schedule: str, timesteps: int) -> torch.Tensor:
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-class GaussianDiffusion:
+class _Objective:
+    """What both objectives share: condition dropout for training, guidance and seeded noise for sampling."""
+
+    seed: int
+    cond_drop_prob: float
+    samplers: tuple[str, ...]
+
+    def drop_flags(self, sample_ids: Sequence[int]) -> torch.Tensor:
+        """True where sample k's condition is dropped: u(seed, k) < cond_drop_prob, split-invariant."""
+        flags = []
+        for k in sample_ids:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, SALT_COND_DROP, int(k)))
+            flags.append(bool(torch.rand(1, generator=g).item() < self.cond_drop_prob))
+        return torch.tensor(flags, dtype=torch.bool)
+
+    def training_cond(self, cond: torch.Tensor | None, sample_ids: Sequence[int]) -> torch.Tensor | None:
+        if cond is None or self.cond_drop_prob <= 0:
+            return cond
+        keep = (~self.drop_flags(sample_ids)).to(cond.device, cond.dtype)
+        return cond * keep.view(-1, *([1] * (cond.dim() - 1)))
+
+    def check_sampler(self, sampler: str) -> None:
+        if sampler not in self.samplers:
+            raise ValueError(f"unknown sampler {sampler!r} for {type(self).__name__} (choose from {', '.join(self.samplers)})")
+
+    @staticmethod
+    def guided(model: Denoiser, guidance_scale: float,
+               autocast: Callable[[], object] | None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """The model output under classifier-free guidance; one batched evaluation of cond and null."""
+        def call(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
+            if autocast is None:
+                return model(x, t, cond)
+            with autocast():
+                return model(x, t, cond)
+
+        def predict(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
+            if cond is None or guidance_scale == 1.0:
+                return call(x, t, cond).float()
+            both = call(torch.cat([x, x]), torch.cat([t, t]), torch.cat([cond, torch.zeros_like(cond)])).float()
+            c, u = both.chunk(2)
+            return u + guidance_scale * (c - u)
+        return predict
+
+    @staticmethod
+    def noise_source(seeds: Sequence[int] | None, seed: int, device: torch.device) -> Callable[[Sequence[int]], torch.Tensor]:
+        """Gaussian noise drawn on the CPU (the same numbers on every device); with ``seeds`` one generator
+        per volume, so a volume does not depend on its batch mates."""
+        gens = [torch.Generator().manual_seed(derive_seed(s, SALT_SAMPLING)) for s in (seeds or [seed])]
+
+        def noise(size: Sequence[int]) -> torch.Tensor:
+            if seeds is None:
+                return torch.randn(tuple(size), generator=gens[0]).to(device)
+            return torch.stack([torch.randn(tuple(size[1:]), generator=g) for g in gens]).to(device)
+        return noise
+
+
+class GaussianDiffusion(_Objective):
+    samplers = GAUSSIAN_SAMPLERS
+
     def __init__(
         self,
         timesteps: int = 250,
@@ -60,6 +135,7 @@ class GaussianDiffusion:
         min_snr_gamma: float | None = None,
         clip_x0: bool = True,
         seed: int = 0,
+        cond_drop_prob: float = 0.0,
     ) -> None:
         if prediction not in ("eps", "v", "x0"):
             raise ValueError(f"unknown prediction type {prediction!r}")
@@ -71,6 +147,7 @@ class GaussianDiffusion:
         self.min_snr_gamma = min_snr_gamma
         self.clip_x0 = clip_x0
         self.seed = seed
+        self.cond_drop_prob = cond_drop_prob
         betas = make_betas(schedule, timesteps)
         alphas_cumprod = torch.cumprod(1 - betas, dim=0)
         # float64 for derived quantities, fp32 tensors for use: noising never follows the input's dtype.
@@ -83,7 +160,8 @@ class GaussianDiffusion:
     @classmethod
     def from_config(cls, cfg) -> "GaussianDiffusion":
         d = cfg.diffusion
-        return cls(d.timesteps, d.schedule, d.prediction, d.loss, d.min_snr_gamma, d.clip_x0, cfg.train.seed)
+        return cls(d.timesteps, d.schedule, d.prediction, d.loss, d.min_snr_gamma, d.clip_x0, cfg.train.seed,
+                   d.cond_drop_prob)
 
     # ---- noising and conversions (all fp32) -------------------------------------------------------
     def _coef(self, table: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -137,6 +215,7 @@ class GaussianDiffusion:
         t, noise = self.draw(sample_ids, x0.shape[1:])
         t = t.to(x0.device, non_blocking=True)
         noise = noise.to(x0.device, non_blocking=True)
+        cond = self.training_cond(cond, sample_ids)
         x_t = self.q_sample(x0, t, noise)
         if autocast is None:
             out = model(x_t, t, cond)
@@ -186,6 +265,14 @@ class GaussianDiffusion:
             return self.sampling_timesteps(steps or 50, "logsnr")
         raise ValueError(f"unknown sampler {sampler!r}")
 
+    def default_steps(self, sampler: str, configured: int) -> int:
+        """ddpm runs every training step; the others the configured number."""
+        return self.timesteps if sampler == "ddpm" else configured
+
+    def evaluations(self, sampler: str, steps: int | None) -> int:
+        """Model evaluations of one sampling run (each one batched over cond and null under guidance)."""
+        return len(self.visited_timesteps(sampler, steps))
+
     @torch.no_grad()
     def sample(
         self,
@@ -201,6 +288,7 @@ class GaussianDiffusion:
         progress: bool = False,
         seeds: Sequence[int] | None = None,
         on_step: Callable[[], None] | None = None,
+        guidance_scale: float = 1.0,
     ) -> torch.Tensor:
         """Generate a batch of shape ``shape`` (B, C, D, H, W). A fixed seed reproduces the result.
 
@@ -209,12 +297,9 @@ class GaussianDiffusion:
         numbers on every device. ``on_step`` is called once per model evaluation.
         """
         device = torch.device(device)
-        gens = [torch.Generator().manual_seed(derive_seed(s, SALT_SAMPLING)) for s in (seeds or [seed])]
-
-        def noise(size: Sequence[int]) -> torch.Tensor:
-            if seeds is None:
-                return torch.randn(tuple(size), generator=gens[0]).to(device)
-            return torch.stack([torch.randn(tuple(size[1:]), generator=g) for g in gens]).to(device)
+        self.check_sampler(sampler)
+        noise = self.noise_source(seeds, seed, device)
+        guided = self.guided(model, guidance_scale, autocast)
 
         if sampler == "ddpm":
             eta = 1.0
@@ -223,12 +308,7 @@ class GaussianDiffusion:
 
         def predict(x_t: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
             tt = torch.full((x_t.shape[0],), t, device=device, dtype=torch.long)
-            if autocast is None:
-                out = model(x_t, tt, cond)
-            else:
-                with autocast():
-                    out = model(x_t, tt, cond)
-            return self.to_x0_eps(x_t, tt, out)
+            return self.to_x0_eps(x_t, tt, guided(x_t, tt, cond))
 
         ac = self.alphas_cumprod.double()
         bar = tqdm(total=len(ts), desc=f"sampling ({sampler})", disable=not progress, leave=False)
@@ -273,6 +353,169 @@ class GaussianDiffusion:
             d = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * prev_x0
         x = (sigma_n / sigma_t) * x - alpha_n * math.expm1(-h) * d
         return x, x0, h
+
+
+def shift_time(t: torch.Tensor | float, shift: float):
+    """Resolution-dependent time shift (MONAI's timestep_transform, Esser et al. 2024): shift > 1 moves
+    times toward noise, which larger volumes need since their images survive more noise."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def resolution_shift(image_size: Sequence[int], base: int = 32 ** 3) -> float:
+    """MONAI's default: the cube root of the voxel count relative to 32³ (1 at 32³, 4 at 128³)."""
+    return float((math.prod(int(s) for s in image_size) / base) ** (1 / 3))
+
+
+class RectifiedFlow(_Objective):
+    """Flow matching on the straight path x_t = (1 - t) x0 + t eps; the model predicts v = eps - x0."""
+
+    samplers = FLOW_SAMPLERS
+    timesteps = int(FLOW_TIME_SCALE)  # the range of times the network sees
+
+    def __init__(
+        self,
+        shift: float = 1.0,
+        loss: str = "l2",
+        time_sampling: str = "logit_normal",
+        clip_x0: bool = True,
+        seed: int = 0,
+        cond_drop_prob: float = 0.0,
+    ) -> None:
+        if loss not in ("l1", "l2"):
+            raise ValueError(f"unknown loss {loss!r}")
+        if time_sampling not in ("logit_normal", "uniform"):
+            raise ValueError(f"unknown time sampling {time_sampling!r}")
+        if shift <= 0:
+            raise ValueError(f"flow shift must be positive, got {shift}")
+        self.shift = float(shift)
+        self.loss_type = loss
+        self.time_sampling = time_sampling
+        self.clip_x0 = clip_x0
+        self.seed = seed
+        self.cond_drop_prob = cond_drop_prob
+        self.prediction = "flow"
+
+    @classmethod
+    def from_config(cls, cfg) -> "RectifiedFlow":
+        d = cfg.diffusion
+        shift = d.flow_shift if d.flow_shift is not None else resolution_shift(cfg.data.image_size)
+        return cls(shift, d.loss, d.flow_time_sampling, d.clip_x0, cfg.train.seed, d.cond_drop_prob)
+
+    # ---- training ---------------------------------------------------------------------------------
+    def draw(self, sample_ids: Sequence[int], shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Time in (0, 1) and noise of each sample, from a CPU generator seeded by (seed, k)."""
+        ts, noises = [], []
+        for k in sample_ids:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, SALT_NOISE, int(k)))
+            if self.time_sampling == "logit_normal":
+                u = torch.sigmoid(torch.randn(1, generator=g, dtype=torch.float64))
+            else:
+                u = torch.rand(1, generator=g, dtype=torch.float64)
+            ts.append(shift_time(u, self.shift))
+            noises.append(torch.randn(tuple(shape), generator=g))
+        return torch.cat(ts).float(), torch.stack(noises)
+
+    def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        t = t.float().view(-1, *([1] * (x0.dim() - 1)))
+        return (1 - t) * x0.float() + t * noise.float()
+
+    def loss(
+        self,
+        model: Denoiser,
+        x0: torch.Tensor,
+        cond: torch.Tensor | None,
+        sample_ids: Sequence[int],
+        autocast: Callable[[], object] | None = None,
+    ) -> torch.Tensor:
+        """Per-sample loss, shape [B], fp32. ``autocast`` (a context factory) wraps only the model call."""
+        t, noise = self.draw(sample_ids, x0.shape[1:])
+        t = t.to(x0.device, non_blocking=True)
+        noise = noise.to(x0.device, non_blocking=True)
+        cond = self.training_cond(cond, sample_ids)
+        x_t = self.q_sample(x0, t, noise)
+        if autocast is None:
+            out = model(x_t, t * FLOW_TIME_SCALE, cond)
+        else:
+            with autocast():
+                out = model(x_t, t * FLOW_TIME_SCALE, cond)
+        diff = out.float() - (noise.float() - x0.float())
+        per_voxel = diff.abs() if self.loss_type == "l1" else diff.square()
+        return per_voxel.flatten(1).mean(1)
+
+    # ---- sampling ---------------------------------------------------------------------------------
+    def time_grid(self, steps: int) -> list[float]:
+        """steps + 1 times from 1 (noise) to 0 (data), evenly spaced before the shift."""
+        steps = max(1, int(steps))
+        return [float(shift_time(1 - i / steps, self.shift)) for i in range(steps + 1)]
+
+    def default_steps(self, sampler: str, configured: int) -> int:
+        return configured
+
+    def evaluations(self, sampler: str, steps: int | None) -> int:
+        """Euler: one per step; Heun: two per step except the last (Euler to t = 0)."""
+        self.check_sampler(sampler)
+        steps = max(1, int(steps or 25))
+        return steps if sampler == "euler" else 2 * steps - 1
+
+    def velocity(self, out: torch.Tensor, x_t: torch.Tensor, t: float) -> torch.Tensor:
+        """The model's velocity, with its implied x0 clipped to [-1, 1] when clip_x0 (eps kept)."""
+        if not self.clip_x0:
+            return out
+        x0 = (x_t - t * out).clamp(-1, 1)
+        eps = x_t + (1 - t) * out
+        return eps - x0
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: Denoiser,
+        shape: Sequence[int],
+        cond: torch.Tensor | None = None,
+        sampler: str = "euler",
+        steps: int | None = None,
+        eta: float = 0.0,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        autocast: Callable[[], object] | None = None,
+        progress: bool = False,
+        seeds: Sequence[int] | None = None,
+        on_step: Callable[[], None] | None = None,
+        guidance_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Integrate dx/dt = v from t = 1 (noise) to 0; same seeding contract as GaussianDiffusion.sample.
+        ``eta`` is accepted for a uniform interface and ignored (the flow ODE is deterministic)."""
+        device = torch.device(device)
+        self.check_sampler(sampler)
+        guided = self.guided(model, guidance_scale, autocast)
+        x = self.noise_source(seeds, seed, device)(shape).float()
+        grid = self.time_grid(steps or 25)
+        bar = tqdm(total=self.evaluations(sampler, len(grid) - 1), desc=f"sampling ({sampler})", disable=not progress, leave=False)
+
+        def v_at(x_t: torch.Tensor, t: float) -> torch.Tensor:
+            tt = torch.full((x_t.shape[0],), t * FLOW_TIME_SCALE, device=device, dtype=torch.float32)
+            v = self.velocity(guided(x_t, tt, cond), x_t, t)
+            bar.update(1)
+            if on_step is not None:
+                on_step()
+            return v
+
+        for i in range(len(grid) - 1):
+            t, t_next = grid[i], grid[i + 1]
+            v = v_at(x, t)
+            x_euler = x + (t_next - t) * v
+            if sampler == "heun" and i + 1 < len(grid) - 1:
+                x = x + (t_next - t) * 0.5 * (v + v_at(x_euler, t_next))
+            else:
+                x = x_euler
+        bar.close()
+        return x
+
+
+def make_diffusion(cfg) -> GaussianDiffusion | RectifiedFlow:
+    """The objective of a config: rectified flow for ``prediction: flow``, Gaussian diffusion otherwise."""
+    if cfg.diffusion.prediction == "flow":
+        return RectifiedFlow.from_config(cfg)
+    return GaussianDiffusion.from_config(cfg)
 
 
 def _distinct_descending(ts: np.ndarray, timesteps: int) -> list[int]:

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .diffusion import GaussianDiffusion
+from .diffusion import make_diffusion
 from .model import build_model
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def synthetic_batch(cfg, batch: int, device: torch.device, seed: int = 0) -> tup
     return x0, cond
 
 
-def forward_backward(model, diffusion: GaussianDiffusion, x0, cond, autocast) -> torch.Tensor:
+def forward_backward(model, diffusion, x0, cond, autocast) -> torch.Tensor:
     """One micro-batch as the trainer runs it: loss.sum() / B backpropagated; returns the mean loss."""
     loss = diffusion.loss(model, x0, cond, list(range(x0.shape[0])), autocast)
     (loss.sum() / x0.shape[0]).backward()
@@ -180,7 +180,7 @@ def step_memory(cfg, batch: int, device: torch.device | str = "cpu", model: torc
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg).to(device)
     model.train()
-    diffusion = GaussianDiffusion.from_config(cfg)
+    diffusion = make_diffusion(cfg)
     x0, cond = synthetic_batch(cfg, batch, device)
     autocast = autocast_factory(cfg.train.precision, device)
     model.zero_grad(set_to_none=True)
@@ -238,7 +238,7 @@ def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[
     ema = [p.detach().clone() for p in model.parameters()]  # holds the EMA's memory, as in training
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.train.precision == "fp16")
-    diffusion = GaussianDiffusion.from_config(cfg)
+    diffusion = make_diffusion(cfg)
     autocast = autocast_factory(cfg.train.precision, device)
 
     def fits(batch: int) -> bool:

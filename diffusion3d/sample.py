@@ -49,12 +49,13 @@ from .data import (
     scan_folder,
     training_transforms,
 )
-from .diffusion import GaussianDiffusion, derive_seed
+from .diffusion import FLOW_SAMPLERS, GAUSSIAN_SAMPLERS, GaussianDiffusion, RectifiedFlow, derive_seed, make_diffusion
 from .model import build_model
 from .monitor import montage
 
 log = logging.getLogger("diffusion3d.sample")  # not __name__: "__main__" under python -m
-SAMPLERS = ("ddim", "ddpm", "dpmpp2m")
+SAMPLERS = GAUSSIAN_SAMPLERS + FLOW_SAMPLERS
+Objective = GaussianDiffusion | RectifiedFlow
 
 
 def to_output_intensity(volume: np.ndarray, cfg) -> np.ndarray:
@@ -77,7 +78,7 @@ def volume_seed(seed: int, case: str, index: int) -> int:
 # ---- the batched, per-volume-seeded sampler ---------------------------------------------------------
 def sample_volumes(
     model: Callable,
-    diffusion: GaussianDiffusion,
+    diffusion: Objective,
     shape: Sequence[int],
     cond: torch.Tensor | None,
     seeds: Sequence[int],
@@ -87,6 +88,7 @@ def sample_volumes(
     device: torch.device | str = "cpu",
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     progress: Callable[[], None] | None = None,
+    guidance_scale: float = 1.0,
 ) -> torch.Tensor:
     """``len(seeds)`` volumes of ``shape`` ([C, D, H, W]) in one batch, each from its own generator.
 
@@ -94,13 +96,13 @@ def sample_volumes(
     not depend on its batch mates. ``progress`` is called once per step.
     """
     return diffusion.sample(model, (len(seeds), *shape), cond, sampler, steps, eta, device=device,
-                            autocast=autocast, seeds=seeds, on_step=progress)
+                            autocast=autocast, seeds=seeds, on_step=progress, guidance_scale=guidance_scale)
 
 
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
-    diffusion: GaussianDiffusion,
+    diffusion: Objective,
     cfg,
     conds: torch.Tensor | None,
     count: int,
@@ -111,6 +113,7 @@ def generate(
     steps: int | None = None,
     progress: bool = False,
     seeds: Sequence[int] | None = None,
+    guidance_scale: float | None = None,
 ) -> torch.Tensor:
     """``count`` volumes [count, C, *image_size] on the model grid, in [-1, 1], on the CPU.
 
@@ -118,19 +121,20 @@ def generate(
     """
     model.eval()
     sampler = sampler or cfg.diffusion.sampler
-    steps = steps or (diffusion.timesteps if sampler == "ddpm" else cfg.diffusion.sampling_steps)
+    steps = steps or diffusion.default_steps(sampler, cfg.diffusion.sampling_steps)
     seeds = list(seeds) if seeds is not None else [derive_seed(seed, b) for b in range(count)]
-    bar = tqdm(total=len(diffusion.visited_timesteps(sampler, steps)), desc=f"sampling ({sampler})",
+    bar = tqdm(total=diffusion.evaluations(sampler, steps), desc=f"sampling ({sampler})",
                disable=not progress, leave=False)
     x = sample_volumes(model, diffusion, (cfg.image_channels, *cfg.data.image_size), conds, seeds, sampler, steps,
-                       cfg.diffusion.ddim_eta, device, autocast, progress=lambda: bar.update(1))
+                       cfg.diffusion.ddim_eta, device, autocast, progress=lambda: bar.update(1),
+                       guidance_scale=cfg.diffusion.guidance_scale if guidance_scale is None else guidance_scale)
     bar.close()
     return x.clamp(-1, 1).float().cpu()
 
 
 def write_samples(
     model: torch.nn.Module,
-    diffusion: GaussianDiffusion,
+    diffusion: Objective,
     cfg,
     cases: Sequence[Case],
     out_dir: Path,
@@ -250,6 +254,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m diffusion3d.sample",
@@ -261,11 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--masks", required=True, type=Path, help="a mask file or a folder of masks (.nii/.nii.gz)")
     p.add_argument("--out", required=True, type=Path, help="output folder (created)")
     p.add_argument("--n", type=_positive, default=1, help="samples per mask (default 1)")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: the checkpoint config's (ddim)")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
+                   help="default: the checkpoint config's; ddim|ddpm|dpmpp2m for Gaussian diffusion, euler|heun for flow")
     p.add_argument("--steps", type=_positive, default=None,
                    help="sampling steps (default: the config's sampling_steps; ddpm: all training steps)")
+    p.add_argument("--guidance_scale", type=_non_negative, default=None,
+                   help="classifier-free guidance (default: the config's; 1 = conditional model only; "
+                   "needs a model trained with cond_drop_prob > 0)")
     p.add_argument("--seed", type=int, default=0, help="volume i of mask <case> is seeded by (seed, case, i)")
-    p.add_argument("--batch_size", type=_positive, default=1, help="volumes per forward pass (results do not depend on it)")
+    p.add_argument("--batch_size", type=_positive, default=4,
+                   help="volumes per forward pass (default 4: CPU conv3d takes a slow path at batch 1; "
+                   "results do not depend on it; lower it if memory runs out)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA weights (default) or the raw ones")
     p.add_argument("--overwrite", action="store_true", help="replace existing <case>_sample<i>.nii.gz files")
@@ -294,9 +314,10 @@ def plan(masks: list[tuple[str, Path]], n: int, out: Path, overwrite: bool) -> l
 
 
 def _autocast(cfg, device: torch.device) -> Callable[[], contextlib.AbstractContextManager] | None:
-    """The run's mixed precision on CUDA (fp16 / bf16); fp32 elsewhere."""
+    """The run's mixed precision, as its training and validation sampling used it: fp16 on CUDA only,
+    bf16 on any device (fp32 where the run trained in fp32, or in fp16 and the device is not CUDA)."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.train.precision)
-    if dtype is None or device.type != "cuda":
+    if dtype is None or (dtype is torch.float16 and device.type != "cuda"):
         return None
     return lambda: torch.autocast(device.type, dtype=dtype)
 
@@ -327,15 +348,22 @@ def run(argv: list[str] | None = None) -> list[Path]:
             raise DataError(f"{path}: cannot be brought to the model grid ({type(e).__name__}: {e})") from None
     jobs = plan(masks, args.n, args.out, args.overwrite)
 
-    diffusion = GaussianDiffusion.from_config(cfg)
+    diffusion = make_diffusion(cfg)
     sampler = args.sampler or cfg.diffusion.sampler
-    steps = args.steps or (diffusion.timesteps if sampler == "ddpm" else cfg.diffusion.sampling_steps)
+    if sampler not in diffusion.samplers:
+        raise InputError(f"--sampler: {sampler} does not fit this checkpoint's {cfg.diffusion.prediction} model "
+                         f"(use {' or '.join(diffusion.samplers)})")
+    steps = args.steps or diffusion.default_steps(sampler, cfg.diffusion.sampling_steps)
+    guidance = cfg.diffusion.guidance_scale if args.guidance_scale is None else args.guidance_scale
+    if guidance != 1.0 and not cfg.model.with_condition:
+        raise InputError("--guidance_scale: this checkpoint's model is unconditional")
     autocast = _autocast(cfg, device)
-    log.info("%s (step %d, %s weights): %d masks × %d samples, %s %d steps, device %s",
-             state["path"], state["step"], args.weights, len(masks), args.n, sampler, steps, device)
+    log.info("%s (step %d, %s weights): %d masks × %d samples, %s %d steps (%d model evaluations), guidance %g, device %s",
+             state["path"], state["step"], args.weights, len(masks), args.n, sampler, steps,
+             diffusion.evaluations(sampler, steps), guidance, device)
     args.out.mkdir(parents=True, exist_ok=True)
     batches = [jobs[i:i + args.batch_size] for i in range(0, len(jobs), args.batch_size)]
-    bar = tqdm(total=len(batches) * len(diffusion.visited_timesteps(sampler, steps)), desc=f"sampling ({sampler})",
+    bar = tqdm(total=len(batches) * diffusion.evaluations(sampler, steps), desc=f"sampling ({sampler})",
                unit="step", disable=args.quiet, dynamic_ncols=True)
     grids: dict[str, MaskGrid] = {}
     written = []
@@ -346,7 +374,8 @@ def run(argv: list[str] | None = None) -> list[Path]:
         conds = torch.stack([grids[j.case].cond(cfg.data.labels) for j in batch]) if cfg.model.with_condition else None
         seeds = [volume_seed(args.seed, j.case, j.index) for j in batch]
         volumes = sample_volumes(model, diffusion, (cfg.image_channels, *cfg.data.image_size), conds, seeds, sampler,
-                                 steps, cfg.diffusion.ddim_eta, device, autocast, progress=lambda: bar.update(1))
+                                 steps, cfg.diffusion.ddim_eta, device, autocast, progress=lambda: bar.update(1),
+                                 guidance_scale=guidance)
         for job, volume in zip(batch, volumes.clamp(-1, 1).float().cpu()):
             grid = grids[job.case]
             save_nifti(to_output_intensity(grid.invert(volume, fill=-1.0), cfg), grid.original_affine, job.path)

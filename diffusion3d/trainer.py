@@ -23,7 +23,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from . import checkpoint as ckpt
 from .data import SampleStream, make_loader, mask_to_cond
-from .diffusion import GaussianDiffusion
+from .diffusion import make_diffusion
 from .model import build_model
 from .monitor import Monitor, peak_rss_gb
 from .sample import write_samples
@@ -53,6 +53,15 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, kind: str, min_rat
         progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
         return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
     return base_lr
+
+
+def ema_decay_at(updates: int, decay: float, warmup: bool) -> float:
+    """EMA decay of update number ``updates`` (0-based). With warmup the decay ramps as (1 + n) / (10 + n)
+    (TensorFlow's num_updates rule) up to ``decay``: after 100 steps the EMA averages over about the last
+    10 % of them instead of still holding the random initialisation, so early checkpoints sample well."""
+    if updates == 0:
+        return 0.0  # the first update copies the weights (as AveragedModel does)
+    return min(decay, (1 + updates) / (10 + updates)) if warmup else decay
 
 
 @dataclass
@@ -106,7 +115,7 @@ class Trainer:
             model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.diffusion = GaussianDiffusion.from_config(cfg)
+        self.diffusion = make_diffusion(cfg)
         self.dataset = dataset
         self.stream = SampleStream(len(dataset), t.seed)
         self.step = 0
@@ -215,7 +224,15 @@ class Trainer:
             for e, p in zip(self.ema.module.state_dict().values(), self.model.state_dict().values()):
                 e.copy_(p)
         elif self.step % t.ema_update_every == 0:
-            self.ema.update_parameters(self.model)
+            updates = (self.step - t.ema_start_step) // t.ema_update_every - 1
+            decay = ema_decay_at(updates, t.ema_decay, t.ema_warmup)
+            pairs = [(e, p) for e, p in zip(self.ema.module.state_dict().values(), self.model.state_dict().values())]
+            floats = [(e, p) for e, p in pairs if e.is_floating_point()]
+            torch._foreach_lerp_([e for e, _ in floats], [p for _, p in floats], 1.0 - decay)  # as AveragedModel's EMA
+            for e, p in pairs:
+                if not e.is_floating_point():
+                    e.copy_(p)
+            self.ema.n_averaged += 1
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

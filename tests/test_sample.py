@@ -124,7 +124,7 @@ def test_per_volume_sampler_matches_diffusion_sample(run):
     shape = (cfg.image_channels, *cfg.data.image_size)
     cond = torch.randn(2, cfg.cond_channels, *cfg.data.image_size).sign()
     single = {}
-    for sampler in S.SAMPLERS:
+    for sampler in diffusion.samplers:
         ref = diffusion.sample(model, (1, *shape), cond[:1], sampler=sampler, steps=2, seed=11)
         single[sampler] = S.sample_volumes(model, diffusion, shape, cond[:1], [11], sampler, steps=2)
         torch.testing.assert_close(single[sampler], ref, rtol=0, atol=0, msg=f"{sampler}: differs from diffusion.sample")
@@ -160,6 +160,7 @@ def bad_mask(tmp_path, kind: str):
         ("exists", "already exists"),
         ("n0", "--n: expected a positive integer"),
         ("sampler", "--sampler: invalid choice"),
+        ("flow_sampler", "--sampler: euler does not fit this checkpoint's eps model"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(run, tmp_path, capsys, case, message):
@@ -187,6 +188,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(run, tmp_path, capsy
     elif case == "n0":
         extra = ["--n", "0"]
     elif case == "sampler":
+        extra = ["--sampler", "rk4"]
+    elif case == "flow_sampler":
         extra = ["--sampler", "euler"]
     before = sorted(p.name for p in out.iterdir()) if out.exists() else None
     code, err = call(["--checkpoint", str(checkpoint), "--masks", str(masks), "--out", str(out), *extra], capsys)

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_config
 from diffusion3d.cli import build_trainer
 from diffusion3d.data import discover, mask_to_cond
-from diffusion3d.trainer import NonFiniteError, lr_at, resolve_precision
+from diffusion3d.trainer import NonFiniteError, ema_decay_at, lr_at, resolve_precision
 
 
 def trainer_for(cfg, results=None):
@@ -200,10 +200,27 @@ def test_ema_is_a_copy_until_the_start_step(tmp_path):
 
 
 def test_ema_update_math(tmp_path):
-    cfg = tiny_config(tmp_path, ema_decay=0.9)
+    cfg = tiny_config(tmp_path, ema_decay=0.9, ema_warmup=False)
     trainer = trainer_for(cfg)
     trainer.train_step()
     assert torch.equal(flat_weights(trainer.ema.module), flat_weights(trainer.model))  # first update copies
     ema1 = flat_weights(trainer.ema.module)
     trainer.train_step()
     torch.testing.assert_close(flat_weights(trainer.ema.module), 0.9 * ema1 + 0.1 * flat_weights(trainer.model))
+
+
+def test_ema_warmup_ramps_the_decay(tmp_path):
+    """With ema_warmup update n uses min(decay, (1 + n) / (10 + n)): 2/11 after the copy, then 3/12, ..."""
+    assert ema_decay_at(0, 0.995, True) == 0.0 and ema_decay_at(0, 0.995, False) == 0.0
+    assert ema_decay_at(1, 0.995, True) == pytest.approx(2 / 11)
+    assert ema_decay_at(10_000, 0.995, True) == 0.995
+    assert ema_decay_at(5, 0.995, False) == 0.995
+    cfg = tiny_config(tmp_path, ema_decay=0.99, ema_warmup=True, train_num_steps=3)
+    trainer = trainer_for(cfg)
+    trainer.train_step()
+    assert torch.equal(flat_weights(trainer.ema.module), flat_weights(trainer.model))
+    for n in (1, 2):
+        ema = flat_weights(trainer.ema.module)
+        trainer.train_step()
+        d = (1 + n) / (10 + n)
+        torch.testing.assert_close(flat_weights(trainer.ema.module), d * ema + (1 - d) * flat_weights(trainer.model))

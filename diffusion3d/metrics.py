@@ -1,0 +1,171 @@
+"""Sample-quality metrics that cannot hide offset or scale, for the quality benchmark and ``evaluate``.
+
+Inputs are numpy arrays [D, H, W]: a sample and its truth already mapped to [0, 1], and the integer label
+map that conditioned the sample (0 background). Correlation is deliberately absent: it ignores offset and
+scale, so a sample with a grey-noise background can still correlate at 0.95.
+
+- **mask fidelity**: per-label signed mean intensity error (sample − truth); Dice against the mask of an
+  Otsu threshold of the sample (head: two classes over the whole volume; lesion: the extreme class of a
+  three-class Otsu inside the true head, so a bright skull rim in the head is its own class); the
+  lesion / rest-of-head contrast of the sample relative to the truth's. The same Dice of the truth itself is
+  reported as the ceiling the data allows.
+- **realism**: SSIM and PSNR against the truth (MONAI, data range 1), and the sharpness ratio: the mean
+  gradient magnitude inside the head, sample over truth (blur < 1, noise > 1).
+- **diversity**: the mean SSIM between the samples of one mask (lower = more diverse).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from monai.metrics import PSNRMetric, SSIMMetric
+
+
+def ssim_window(shape: tuple[int, ...]) -> int:
+    """11 (the usual window), or the largest odd size that fits the smallest side."""
+    side = min(shape)
+    return min(11, side if side % 2 else side - 1)
+
+
+def _check(*arrays: np.ndarray) -> None:
+    shapes = {a.shape for a in arrays}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+        raise ValueError(f"expected 3-D arrays of one shape, got {[a.shape for a in arrays]}")
+
+
+def _histogram(values: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    counts, edges = np.histogram(values, bins=bins)
+    return counts.astype(np.float64), (edges[:-1] + edges[1:]) / 2
+
+
+def otsu_threshold(values: np.ndarray, bins: int = 256) -> float:
+    """Otsu (1979): the threshold maximising the between-class variance; constant input -> that value."""
+    values = np.asarray(values, dtype=np.float64).ravel()
+    if values.size == 0:
+        raise ValueError("otsu_threshold of an empty array")
+    if values.min() == values.max():
+        return float(values.min())
+    counts, centres = _histogram(values, bins)
+    w0 = np.cumsum(counts)[:-1]
+    w1 = counts.sum() - w0
+    m = np.cumsum(counts * centres)[:-1]
+    mu0 = m / np.maximum(w0, 1e-12)
+    mu1 = (np.sum(counts * centres) - m) / np.maximum(w1, 1e-12)
+    between = w0 * w1 * (mu0 - mu1) ** 2
+    i = int(np.argmax(between))
+    return float((centres[i] + centres[i + 1]) / 2)
+
+
+def otsu_thresholds3(values: np.ndarray, bins: int = 64) -> tuple[float, float]:
+    """Three-class Otsu (Liao et al. 2001): the two thresholds maximising the between-class variance."""
+    values = np.asarray(values, dtype=np.float64).ravel()
+    if values.min() == values.max():
+        return float(values.min()), float(values.max())
+    counts, centres = _histogram(values, bins)
+    c0, c1 = np.concatenate([[0], np.cumsum(counts)]), np.concatenate([[0], np.cumsum(counts * centres)])
+    total_mean = c1[-1] / c0[-1]
+    best, pair = -1.0, (1, 2)
+    for i in range(1, bins - 1):
+        for j in range(i + 1, bins):
+            score = 0.0
+            for a, b in ((0, i), (i, j), (j, bins)):
+                w = c0[b] - c0[a]
+                if w > 0:
+                    score += w * ((c1[b] - c1[a]) / w - total_mean) ** 2
+            if score > best:
+                best, pair = score, (i, j)
+    edges = np.concatenate([[centres[0]], (centres[:-1] + centres[1:]) / 2, [centres[-1]]])
+    return float(edges[pair[0]]), float(edges[pair[1]])
+
+
+def dice(pred: np.ndarray, target: np.ndarray) -> float:
+    """Dice of two boolean arrays; 1.0 when both are empty."""
+    pred, target = np.asarray(pred, bool), np.asarray(target, bool)
+    total = pred.sum() + target.sum()
+    return 1.0 if total == 0 else float(2 * np.logical_and(pred, target).sum() / total)
+
+
+def sharpness(volume: np.ndarray, region: np.ndarray) -> float:
+    """Mean 3-D gradient magnitude (central differences) over the voxels where ``region`` is True."""
+    gradients = np.gradient(np.asarray(volume, dtype=np.float64))
+    magnitude = np.sqrt(sum(g**2 for g in gradients))
+    region = np.asarray(region, bool)
+    return float(magnitude[region].mean()) if region.any() else float("nan")
+
+
+def _mean(volume: np.ndarray, where: np.ndarray) -> float:
+    return float(volume[where].mean()) if where.any() else float("nan")
+
+
+def _head_dice(volume: np.ndarray, head: np.ndarray) -> float:
+    return dice(volume > otsu_threshold(volume), head)
+
+
+def _lesion_dice(volume: np.ndarray, head: np.ndarray, lesion: np.ndarray, brighter: bool) -> float:
+    if not lesion.any():
+        return float("nan")
+    low, high = otsu_thresholds3(volume[head])
+    found = (volume > high) if brighter else (volume <= low)
+    return dice(found & head, lesion)
+
+
+def mask_fidelity(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels: Sequence[int] = (1, 2),
+                  head_labels: Sequence[int] | None = None, lesion_label: int | None = None) -> dict[str, float]:
+    """Does the sample follow its mask? See the module docstring for each key."""
+    _check(sample, truth, mask)
+    labels = list(labels)
+    out: dict[str, float] = {}
+    for label in [0, *labels]:
+        inside = mask == label
+        out[f"mean_error/{label}"] = _mean(sample, inside) - _mean(truth, inside)
+    present = [abs(v) for v in out.values() if not math.isnan(v)]
+    out["abs_mean_error_max"] = max(present) if present else float("nan")
+    head = np.isin(mask, list(head_labels)) if head_labels is not None else mask > 0
+    lesion_label = labels[-1] if lesion_label is None else lesion_label
+    lesion = mask == lesion_label
+    rest = head & ~lesion
+    brighter = _mean(truth, lesion) > _mean(truth, rest) if lesion.any() else True
+    out["head_dice"] = _head_dice(sample, head)
+    out["truth_head_dice"] = _head_dice(truth, head)
+    out["lesion_dice"] = _lesion_dice(sample, head, lesion, brighter)
+    out["truth_lesion_dice"] = _lesion_dice(truth, head, lesion, brighter)
+    out["contrast"] = _mean(sample, lesion) / _mean(sample, rest) if lesion.any() and rest.any() else float("nan")
+    out["contrast_truth"] = _mean(truth, lesion) / _mean(truth, rest) if lesion.any() and rest.any() else float("nan")
+    out["contrast_ratio"] = out["contrast"] / out["contrast_truth"]
+    return out
+
+
+def _tensor(volume: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(volume, dtype=np.float32))[None, None]
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    win = ssim_window(a.shape)
+    return float(SSIMMetric(spatial_dims=3, data_range=1.0, win_size=win)(_tensor(a), _tensor(b)).item())
+
+
+def realism(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """SSIM and PSNR against the truth, and the sharpness ratio inside the head (mask > 0)."""
+    _check(sample, truth, mask)
+    head = mask > 0
+    return {
+        "ssim": ssim(sample, truth),
+        "psnr": float(PSNRMetric(max_val=1.0)(_tensor(sample), _tensor(truth)).item()),
+        "sharpness_ratio": sharpness(sample, head) / sharpness(truth, head),
+    }
+
+
+def diversity(samples: Sequence[np.ndarray]) -> float:
+    """Mean SSIM over all pairs of samples of one mask (lower = more diverse); NaN for fewer than 2."""
+    if len(samples) < 2:
+        return float("nan")
+    return float(np.mean([ssim(a, b) for a, b in itertools.combinations(samples, 2)]))
+
+
+def score_sample(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels: Sequence[int] = (1, 2)) -> dict[str, float]:
+    """mask_fidelity and realism in one flat dict of floats."""
+    return {**mask_fidelity(sample, truth, mask, labels), **realism(sample, truth, mask)}

@@ -1,0 +1,430 @@
+"""Time to quality: train a config on a seeded synthetic set, and score samples of unseen masks along the way.
+
+Two sets, each written afresh with its own seeds (the test masks are never trained on):
+
+- ``phantom``: the demo's kind (``diffusion3d.phantoms``), train seeds (seed, 1, i), test seeds (seed, 2, i);
+- ``realistic``: smooth random deformations (a small rotation/scale plus a smooth displacement field) and a
+  smooth multiplicative bias field of the real whole-head pair in ``../shared/data/whole_head`` (Med-DDPM's
+  sample_3), deformed at 128³ and brought to the model grid by 4× area averaging (masks by majority vote).
+  Skipped with a message where that data is absent.
+
+At every ``eval_every`` optimizer steps (and at the end) the EMA model samples every test mask
+``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance]``) and the samples are
+scored against the truth by ``diffusion3d.metrics`` (per-label mean error, Otsu Dice of head and lesion,
+contrast ratio, SSIM, PSNR, sharpness ratio, diversity). Seconds are those of the training steps alone
+(wall clock and process CPU time), so a row reads "after this much training, samples are this good".
+
+Command line (``python -m diffusion3d.quality --help``; also ``python -m diffusion3d.bench --parts quality``)::
+
+    python -m diffusion3d.quality --config configs/default.yaml --sets phantom,realistic --steps 1000 \\
+        --eval_every 250 --sampling euler:10,heun:5 --set prediction=flow --set sampler=euler --out q.json
+    python -m diffusion3d.quality --table q_eps.json q_flow.json        # one table from several runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import config as C
+from . import metrics
+from .data import DataError, build_dataset, discover, mask_to_cond, save_nifti
+from .diffusion import make_diffusion
+from .phantoms import SPACING, make_case
+from .phantoms import save as save_phantom
+from .sample import OneLineParser, generate
+from .trainer import Trainer
+
+log = logging.getLogger("diffusion3d.quality")
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = PACKAGE_ROOT / "configs" / "default.yaml"
+REAL_PAIR = PACKAGE_ROOT.parent / "shared" / "data" / "whole_head"
+SETS = ("phantom", "realistic")
+TABLE_KEYS = (  # column header, result key, format
+    ("head", "head_dice", ".3f"), ("lesion", "lesion_dice", ".3f"), ("|Δμ|max", "abs_mean_error_max", ".3f"),
+    ("Δμ bg", "mean_error/0", "+.3f"), ("Δμ head", "mean_error/1", "+.3f"), ("Δμ les", "mean_error/2", "+.3f"),
+    ("contr", "contrast_ratio", ".2f"), ("SSIM", "ssim", ".3f"), ("PSNR", "psnr", ".1f"),
+    ("sharp", "sharpness_ratio", ".2f"), ("div", "diversity", ".3f"),
+)
+
+
+class QualityError(ValueError):
+    """Bad benchmark input (a flag, a config key, a missing file); the message names it."""
+
+
+# ---- the data sets ---------------------------------------------------------------------------------
+@dataclass
+class TestCase:
+    name: str
+    mask: np.ndarray  # [D, H, W] labels on the model grid
+    truth: np.ndarray  # [D, H, W] in [0, 1]
+
+
+def _affine(size: int, spacing: float) -> np.ndarray:
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    affine[:3, 3] = -(size - 1) * spacing / 2
+    return affine
+
+
+def write_phantom_set(root: Path, n: int, seed: int, split: int, size: int) -> list[TestCase]:
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "masks").mkdir(parents=True, exist_ok=True)
+    cases = []
+    for i in range(n):
+        mask, image = make_case(np.random.default_rng([seed, split, i]), size)
+        name = f"case_{i:03d}"
+        save_phantom(mask, root / "masks" / f"{name}.nii.gz")
+        save_phantom(image, root / "images" / f"{name}.nii.gz")
+        cases.append(TestCase(name, mask, image))
+    return cases
+
+
+def _smooth_field(rng: np.random.Generator, channels: int, coarse: int, size: int) -> torch.Tensor:
+    """Random values on a coarse grid, cubic-like (trilinear of a 4³ grid, then again) upsampled: [1, C, s, s, s]."""
+    field = torch.from_numpy(rng.standard_normal((1, channels, coarse, coarse, coarse)).astype(np.float32))
+    return F.interpolate(field, size=(size,) * 3, mode="trilinear", align_corners=True)
+
+
+def deform_pair(image: np.ndarray, mask: np.ndarray, rng: np.random.Generator, labels: Sequence[int],
+                factor: int, displacement: float = 0.04, bias: float = 0.12) -> tuple[np.ndarray, np.ndarray]:
+    """One smooth random deformation + bias field of an (image in [0, 1], mask) pair, then ``factor``× down.
+
+    ``displacement`` is the displacement's std as a fraction of the half-width (0.04 ≈ 2.6 voxels at 128³),
+    ``bias`` the std of the log bias field. The mask is warped by its one-hot channels (trilinear) and
+    down-sampled by majority vote, so label boundaries stay smooth and labels stay labels.
+    """
+    size = image.shape[0]
+    angles = np.deg2rad(rng.uniform(-6, 6, 3))
+    rot = np.eye(3)
+    for axis, ang in enumerate(angles):
+        i, j = [k for k in range(3) if k != axis]
+        m = np.eye(3)
+        m[i, i] = m[j, j] = np.cos(ang)
+        m[i, j], m[j, i] = -np.sin(ang), np.sin(ang)
+        rot = rot @ m
+    theta = torch.zeros(1, 3, 4)
+    theta[0, :, :3] = torch.from_numpy(rot * rng.uniform(0.95, 1.05)).float()
+    theta[0, :, 3] = torch.from_numpy(rng.uniform(-0.03, 0.03, 3)).float()
+    grid = F.affine_grid(theta, (1, 1, size, size, size), align_corners=True)
+    grid = grid + displacement * _smooth_field(rng, 3, 5, size).permute(0, 2, 3, 4, 1)
+    src = torch.from_numpy(image.astype(np.float32))[None, None]
+    warped = F.grid_sample(src, grid, mode="bilinear", padding_mode="border", align_corners=True)
+    warped = warped * torch.exp(bias * _smooth_field(rng, 1, 4, size))
+    onehot = torch.stack([torch.from_numpy(mask == v) for v in (0, *labels)]).float()[None]
+    warped_mask = F.grid_sample(onehot, grid, mode="bilinear", padding_mode="border", align_corners=True)
+    small_image = F.avg_pool3d(warped, factor)[0, 0].clamp(0, 1).numpy()
+    votes = F.avg_pool3d(warped_mask, factor)[0]
+    values = torch.tensor([0, *labels], dtype=torch.uint8)
+    small_mask = values[votes.argmax(0)].numpy()
+    return small_image.astype(np.float32), small_mask
+
+
+def write_realistic_set(root: Path, n: int, seed: int, split: int, size: int, source: Path,
+                        labels: Sequence[int]) -> list[TestCase]:
+    image_file, mask_file = source / "image" / "sample_3.nii.gz", source / "mask" / "sample_3.nii.gz"
+    for f in (image_file, mask_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: the real pair for the realistic set is not there")
+    real = np.asarray(nib.load(str(image_file)).dataobj, dtype=np.float32)
+    real = (real + 1) / 2  # stored in [-1, 1] (see shared/data/README.md)
+    real_mask = np.asarray(nib.load(str(mask_file)).dataobj).astype(np.uint8)
+    factor = real.shape[0] // size
+    if factor < 1 or real.shape[0] % size or len(set(real.shape)) != 1:
+        raise QualityError(f"{image_file}: shape {real.shape} cannot be brought to {size}³ by an integer factor")
+    spacing = float(nib.load(str(image_file)).header.get_zooms()[0]) * factor
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "masks").mkdir(parents=True, exist_ok=True)
+    cases = []
+    for i in range(n):
+        image, mask = deform_pair(real, real_mask, np.random.default_rng([seed, split, i]), labels, factor)
+        name = f"case_{i:03d}"
+        save_nifti(image[None], _affine(size, spacing), root / "images" / f"{name}.nii.gz")
+        save_nifti(mask[None], _affine(size, spacing), root / "masks" / f"{name}.nii.gz", dtype=np.uint8)
+        cases.append(TestCase(name, mask, image))
+    return cases
+
+
+def write_set(kind: str, root: Path, n_train: int, n_test: int, seed: int, size: int, labels: Sequence[int],
+              source: Path = REAL_PAIR) -> list[TestCase]:
+    """Write ``root/train`` (files the trainer reads) and ``root/test``; returns the test cases."""
+    if kind == "phantom":
+        write_phantom_set(root / "train", n_train, seed, 1, size)
+        return write_phantom_set(root / "test", n_test, seed, 2, size)
+    if kind == "realistic":
+        write_realistic_set(root / "train", n_train, seed, 1, size, source, labels)
+        return write_realistic_set(root / "test", n_test, seed, 2, size, source, labels)
+    raise QualityError(f"--sets: unknown set {kind!r} (choose from {', '.join(SETS)})")
+
+
+# ---- training with evaluations along the way ------------------------------------------------------------
+@dataclass
+class SamplingSpec:
+    sampler: str
+    steps: int
+    guidance: float | None = None  # None: the config's
+
+    @property
+    def label(self) -> str:
+        return f"{self.sampler}-{self.steps}" + (f"-w{self.guidance:g}" if self.guidance is not None else "")
+
+
+def parse_sampling(text: str | None, cfg: C.Config) -> list[SamplingSpec]:
+    """``sampler:steps[:guidance]`` items separated by commas; empty: the config's sampler and steps."""
+    if not text:
+        return [SamplingSpec(cfg.diffusion.sampler, cfg.diffusion.sampling_steps)]
+    specs = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            spec = SamplingSpec(parts[0], int(parts[1]), float(parts[2]) if len(parts) > 2 else None)
+        except (IndexError, ValueError):
+            raise QualityError(f"--sampling: expected sampler:steps[:guidance], got {item!r}") from None
+        if spec.steps < 1:
+            raise QualityError(f"--sampling: {item!r}: steps must be at least 1")
+        specs.append(spec)
+    return specs
+
+
+def bench_config(base: C.Config, train_root: Path, overrides: Sequence[str]) -> C.Config:
+    cfg = C.from_dict(base.to_dict(), "config")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise QualityError(f"--set: expected key=value, got {item!r}")
+        try:
+            C.set_key(cfg, key.strip(), C.parse_value(value))
+        except C.ConfigError as e:
+            raise QualityError(f"--set: {e}") from None
+    for key, value in dict(image_dir=str(train_root / "images"), mask_dir=str(train_root / "masks"), manifest=None,
+                           image_suffix="", mask_suffix="", intensity="range", intensity_range=[0.0, 1.0],
+                           num_val_cases=0, cache="memory", quiet=True, orientation="RAS", spacing=None).items():
+        C.set_key(cfg, key, value)
+    try:
+        C.validate(cfg)
+    except C.ConfigError as e:
+        raise QualityError(f"config: {e}") from None
+    return cfg
+
+
+def score_samples(samples: np.ndarray, cases: Sequence[TestCase], labels: Sequence[int]) -> dict[str, float]:
+    """Mean over test masks (and their samples) of every metric; diversity per mask, then averaged."""
+    per_sample, diversities = [], []
+    per_mask = samples.shape[0] // len(cases)
+    for c, case in enumerate(cases):
+        group = [samples[c * per_mask + j] for j in range(per_mask)]
+        for s in group:
+            per_sample.append(metrics.score_sample(s, case.truth, case.mask, labels))
+        if per_mask > 1:
+            diversities.append(metrics.diversity(group))
+    keys = per_sample[0].keys()
+    summary = {k: _nanmean([r[k] for r in per_sample]) for k in keys}
+    summary["diversity"] = _nanmean(diversities) if diversities else float("nan")
+    return summary
+
+
+def _nanmean(values: Sequence[float]) -> float:
+    finite = [float(v) for v in values if v is not None and not math.isnan(float(v)) and not math.isinf(float(v))]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
+def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCase], spec: SamplingSpec,
+                   samples_per_mask: int, device: torch.device, seed: int, batch_size: int = 16,
+                   autocast: Callable | None = None) -> dict[str, Any]:
+    """Sample every test mask ``samples_per_mask`` times with ``spec``; score against the truth."""
+    diffusion = make_diffusion(cfg)
+    labels = cfg.data.labels
+    masks = torch.stack([torch.from_numpy(c.mask.astype(np.uint8))[None] for c in cases])
+    conds = mask_to_cond(masks, labels).repeat_interleave(samples_per_mask, 0) if cfg.model.with_condition else None
+    seeds = [int(seed * 1000003 + 7919 * c + j) for c in range(len(cases)) for j in range(samples_per_mask)]
+    start = time.perf_counter()
+    volumes = []
+    for i in range(0, len(seeds), batch_size):
+        part = conds[i:i + batch_size].to(device) if conds is not None else None
+        volumes.append(generate(model, diffusion, cfg, part, len(seeds[i:i + batch_size]), device, autocast,
+                                sampler=spec.sampler, steps=spec.steps, seeds=seeds[i:i + batch_size],
+                                guidance_scale=spec.guidance))
+    seconds = time.perf_counter() - start
+    unit = ((torch.cat(volumes)[:, 0] + 1) / 2).numpy()
+    scores = score_samples(unit, cases, labels)
+    scores["evaluations"] = diffusion.evaluations(spec.sampler, spec.steps)
+    scores["sampling_s_per_volume"] = seconds / len(seeds)
+    return scores
+
+
+def train_and_score(cfg: C.Config, cases: Sequence[TestCase], steps: int, eval_at: Sequence[int],
+                    specs: Sequence[SamplingSpec], samples_per_mask: int, device: torch.device,
+                    progress: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
+    """Train ``steps`` optimizer steps of ``cfg``; at each step in ``eval_at`` score every sampling spec."""
+    cfg.train.train_num_steps = steps
+    train_cases = discover(cfg)
+    dataset = build_dataset(train_cases, cfg, None)
+    trainer = Trainer(cfg, dataset, device)
+    rows = []
+    wall = cpu = 0.0
+    losses: list[float] = []
+    for step in range(1, steps + 1):
+        w0, c0 = time.perf_counter(), time.process_time()
+        result = trainer.train_step()
+        wall += time.perf_counter() - w0
+        cpu += time.process_time() - c0
+        losses.append(result.loss)
+        if step in eval_at:
+            for spec in specs:
+                scores = evaluate_model(trainer.ema.module, cfg, cases, spec, samples_per_mask, device, cfg.train.seed,
+                                        autocast=trainer.autocast if trainer.precision != "fp32" else None)
+                row = {"step": step, "train_s": wall, "train_cpu_s": cpu, "loss": float(np.mean(losses[-50:])),
+                       "sampling": spec.label, **scores}
+                rows.append(row)
+                progress(format_row(row))
+    return rows
+
+
+# ---- output ----------------------------------------------------------------------------------------
+def _cell(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return format(value, spec)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    cells = [f"{row.get('run', '')}", row["set"] if "set" in row else "", f"{row['step']}", f"{row['train_s']:.0f}",
+             row["sampling"], f"{row['evaluations']}"]
+    cells += [_cell(row.get(key), spec) for _, key, spec in TABLE_KEYS]
+    return " | ".join(cells)
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    header = ["run", "set", "step", "train s", "sampling", "NFE", *[h for h, _, _ in TABLE_KEYS]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + format_row(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "torch": str(torch.__version__), "threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine()}
+
+
+# ---- the command line -------------------------------------------------------------------------------
+def build_parser(prog: str = "python -m diffusion3d.quality") -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description="Time to quality: train a config on seeded synthetic sets and score "
+                      "samples of unseen masks along the way (mask fidelity and realism against the truth).")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the recipe to train (default: the demo's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable), e.g. --set prediction=flow --set sampler=euler")
+    p.add_argument("--name", default=None, help="the run's name in the table (default: config name + overrides)")
+    p.add_argument("--sets", default="phantom,realistic", help="phantom, realistic or both (default)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's train_num_steps)")
+    p.add_argument("--eval_every", type=int, default=250, help="score every N steps and at the end")
+    p.add_argument("--sampling", default=None, help="sampler:steps[:guidance],... (default: the config's)")
+    p.add_argument("--n_train", type=int, default=24, help="training pairs per set")
+    p.add_argument("--n_test", type=int, default=6, help="unseen test masks per set")
+    p.add_argument("--samples_per_mask", type=int, default=2, help="samples of each test mask (2+: diversity)")
+    p.add_argument("--size", type=int, default=None, help="grid side (default: the config's image_size)")
+    p.add_argument("--data_seed", type=int, default=0, help="seed of the generated sets")
+    p.add_argument("--real_pair", type=Path, default=REAL_PAIR, help="folder with image/ and mask/ sample_3.nii.gz")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (set it to the cores you really have)")
+    p.add_argument("--workdir", type=Path, default=None, help="where the sets are written (default: a temp folder)")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    p.add_argument("--table", type=Path, nargs="+", default=None, help="print one table from these JSON files and exit")
+    return p
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        base = C.load(args.config)
+    except C.ConfigError as e:
+        raise QualityError(str(e)) from None
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    for s in sets:
+        if s not in SETS:
+            raise QualityError(f"--sets: unknown set {s!r} (choose from {', '.join(SETS)})")
+    for flag in ("eval_every", "n_train", "n_test", "samples_per_mask"):
+        if getattr(args, flag) < 1:
+            raise QualityError(f"--{flag}: must be at least 1")
+    device = torch.device(args.device)
+    name = args.name or " ".join([base.name, *args.overrides])
+    report: dict[str, Any] = {"name": name, "config": str(args.config), "overrides": args.overrides,
+                              "machine": machine(), "rows": [], "skipped": {}}
+    with tempfile.TemporaryDirectory(prefix="d3d_quality_") as tmp:
+        work = Path(args.workdir) if args.workdir else Path(tmp)
+        for kind in sets:
+            size = args.size or base.data.image_size[0]
+            if kind == "realistic" and not (args.real_pair / "image" / "sample_3.nii.gz").is_file():
+                message = f"realistic set skipped: {args.real_pair / 'image' / 'sample_3.nii.gz'} not found"
+                progress(message)
+                report["skipped"][kind] = message
+                continue
+            root = work / kind
+            cases = write_set(kind, root, args.n_train, args.n_test, args.data_seed, size, base.data.labels, args.real_pair)
+            cfg = bench_config(base, root / "train", [*args.overrides, f"image_size=[{size},{size},{size}]"])
+            steps = args.steps or cfg.train.train_num_steps
+            eval_at = sorted({*range(args.eval_every, steps + 1, args.eval_every), steps})
+            specs = parse_sampling(args.sampling, cfg)
+            diffusion = make_diffusion(cfg)
+            for spec in specs:
+                if spec.sampler not in diffusion.samplers:
+                    raise QualityError(f"--sampling: {spec.sampler} does not fit prediction {cfg.diffusion.prediction} "
+                                       f"(use {' or '.join(diffusion.samplers)})")
+            progress(f"{kind}: {args.n_train} training pairs, {args.n_test} test masks, {size}³, {steps} steps, "
+                     f"scored at {eval_at} with {', '.join(s.label for s in specs)}")
+            rows = train_and_score(cfg, cases, steps, eval_at, specs, args.samples_per_mask, device,
+                                   progress=lambda line, k=kind: progress(f"{name} | {k} | {line}"))
+            report["rows"] += [{"run": name, "set": kind, **r} for r in rows]
+    return report
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m diffusion3d.quality") -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    args = build_parser(prog).parse_args(argv)
+    try:
+        if args.table:
+            rows = []
+            for path in args.table:
+                try:
+                    rows += json.loads(Path(path).read_text())["rows"]
+                except (OSError, ValueError, KeyError) as e:
+                    raise QualityError(f"{path}: not a quality report ({type(e).__name__}: {e})") from None
+            print(format_table(rows))
+            return 0
+        report = run(args, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except (QualityError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(report["rows"]))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(_json_safe(report), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The time-to-quality benchmark: its sets (seeded, test masks unseen), its scoring and its command line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import SHARED_DATA, tiny_config
+from diffusion3d import quality as Q
+from diffusion3d.bench import main as bench_main
+
+REAL = SHARED_DATA / "whole_head"
+
+
+def tiny_yaml(tmp_path):
+    cfg = tiny_config(tmp_path, timesteps=50, sampling_steps=2, ema_decay=0.9)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
+
+
+def test_phantom_sets_are_seeded_and_the_test_masks_are_not_trained_on(tmp_path):
+    a = Q.write_set("phantom", tmp_path / "a", 4, 3, seed=0, size=16, labels=[1, 2])
+    b = Q.write_set("phantom", tmp_path / "b", 4, 3, seed=0, size=16, labels=[1, 2])
+    for x, y in zip(a, b):
+        assert np.array_equal(x.mask, y.mask) and np.array_equal(x.truth, y.truth)  # reproducible
+    train = [np.asarray(__import__("nibabel").load(str(p)).dataobj) for p in sorted((tmp_path / "a" / "train" / "masks").iterdir())]
+    for case in a:
+        assert not any(np.array_equal(case.mask, m) for m in train)
+    assert len({c.mask.tobytes() for c in a}) == 3
+    other = Q.write_set("phantom", tmp_path / "c", 1, 1, seed=1, size=16, labels=[1, 2])
+    assert not np.array_equal(other[0].mask, a[0].mask)
+
+
+def test_deform_pair_keeps_labels_and_range():
+    rng = np.random.default_rng(0)
+    size = 32
+    grid = np.stack(np.meshgrid(*[np.arange(size)] * 3, indexing="ij"), -1)
+    mask = np.zeros((size,) * 3, np.uint8)
+    mask[((grid - 16) ** 2).sum(-1) < 100] = 1
+    mask[((grid - 16) ** 2).sum(-1) < 16] = 2
+    image = np.choose(mask, [0.02, 0.5, 0.9]).astype(np.float32)
+    small_image, small_mask = Q.deform_pair(image, mask, rng, [1, 2], factor=2)
+    assert small_image.shape == small_mask.shape == (16, 16, 16)
+    assert set(np.unique(small_mask)) == {0, 1, 2}
+    assert 0 <= small_image.min() and small_image.max() <= 1
+    # intensity still follows the label after warping both the same way (bias field: ±~12 %)
+    assert small_image[small_mask == 2].mean() > small_image[small_mask == 1].mean() > small_image[small_mask == 0].mean()
+    again, _ = Q.deform_pair(image, mask, np.random.default_rng(0), [1, 2], factor=2)
+    assert np.array_equal(small_image, again)
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data/whole_head is absent")
+def test_realistic_set_from_the_real_pair(tmp_path):
+    cases = Q.write_set("realistic", tmp_path, 1, 2, seed=0, size=32, labels=[1, 2])
+    assert len(cases) == 2 and cases[0].truth.shape == (32, 32, 32)
+    assert not np.array_equal(cases[0].truth, cases[1].truth)
+    for c in cases:  # the head (label 1) is brighter than the background, as in the real image
+        assert c.truth[c.mask == 1].mean() > c.truth[c.mask == 0].mean() + 0.1
+    assert (tmp_path / "train" / "images" / "case_000.nii.gz").is_file()
+
+
+def test_parse_sampling():
+    cfg = Q.C.Config()
+    assert [s.label for s in Q.parse_sampling(None, cfg)] == ["ddim-50"]
+    specs = Q.parse_sampling("euler:10,heun:5:2", cfg)
+    assert [(s.sampler, s.steps, s.guidance) for s in specs] == [("euler", 10, None), ("heun", 5, 2.0)]
+    with pytest.raises(Q.QualityError, match="sampler:steps"):
+        Q.parse_sampling("euler", cfg)
+
+
+def test_command_trains_scores_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    code = bench_main(["--parts", "quality", "--config", str(tiny_yaml(tmp_path)), "--sets", "phantom", "--size", "16",
+                       "--steps", "3", "--eval_every", "2", "--n_train", "4", "--n_test", "2",
+                       "--sampling", "ddim:2,ddpm:3", "--real_pair", str(tmp_path / "absent"), "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [(r["step"], r["sampling"]) for r in rows] == [(2, "ddim-2"), (2, "ddpm-3"), (3, "ddim-2"), (3, "ddpm-3")]
+    for r in rows:
+        assert r["set"] == "phantom" and r["evaluations"] in (2, 3)
+        for key in ("head_dice", "lesion_dice", "mean_error/0", "mean_error/1", "mean_error/2", "ssim", "psnr",
+                    "sharpness_ratio", "diversity", "contrast_ratio", "train_s", "train_cpu_s"):
+            assert key in r, key
+        assert 0 <= r["head_dice"] <= 1 and -1 <= r["ssim"] <= 1
+    assert rows[2]["train_s"] > rows[0]["train_s"] > 0
+    printed = capsys.readouterr().out
+    assert "| run | set | step |" in printed and "ddpm-3" in printed
+    assert bench_main(["--parts", "quality", "--table", str(out)]) == 0
+    assert capsys.readouterr().out.count("ddim-2") == 2
+
+
+def test_realistic_set_is_skipped_with_a_message_without_the_real_pair(tmp_path, capsys):
+    code = Q.main(["--config", str(tiny_yaml(tmp_path)), "--sets", "realistic", "--size", "16", "--steps", "1",
+                   "--real_pair", str(tmp_path / "absent")])
+    assert code == 0
+    assert "realistic set skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sets", "mri"], "--sets: unknown set 'mri'"),
+    (["--set", "lr"], "--set: expected key=value"),
+    (["--set", "colour=red"], "unknown config key 'colour'"),
+    (["--sampling", "euler:10"], "--sampling: euler does not fit prediction eps"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    code = Q.main(["--config", str(tiny_yaml(tmp_path)), "--sets", "phantom", "--size", "16", "--steps", "1",
+                   "--n_train", "4", "--n_test", "1", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: ") and message in err[-1], err
