@@ -22,6 +22,12 @@ Metrics (MONAI's where they exist):
   a note;
 - per mask label (``--labels``, default: every label in the mask, background 0 included): mean and standard
   deviation of intensity inside the label, in the real image and in the sample.
+- with masks, mask fidelity and sharpness (``diffusion3d.metrics``, the same as the quality benchmark's):
+  ``head_dice`` (Otsu threshold of the sample vs. all labels), ``lesion_dice`` (the extreme class of a
+  three-class Otsu inside the head vs. the last label), ``truth_*_dice`` (the same on the real image: the
+  ceiling), ``contrast_ratio`` (lesion / rest-of-head contrast, sample over real), ``abs_mean_error_max``
+  (the largest per-label mean intensity error) and ``sharpness_ratio`` (mean gradient magnitude in the head,
+  sample over real: blur < 1, noise > 1). Unlike correlation, none of these hides an offset or a scale.
 
 Written to ``--out``: ``metrics.csv`` (one row per sample), ``cases.csv`` (one row per mask),
 ``metrics.json`` (settings, summary, everything per case) and TensorBoard summaries in ``--out/tb`` at
@@ -47,6 +53,7 @@ import torch
 from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
 from .data import NIFTI_SUFFIXES, DataError, read_volume
+from .metrics import mask_fidelity, sharpness, ssim_window
 from .sample import InputError, OneLineParser
 
 log = logging.getLogger("diffusion3d.evaluate")  # not __name__: "__main__" under python -m
@@ -133,12 +140,6 @@ def real_bounds(volume: np.ndarray, real_range: tuple[float, float] | None, perc
         return real_range
     lo, hi = np.percentile(volume, percentiles)
     return float(lo), float(hi)
-
-
-def ssim_window(shape: tuple[int, ...]) -> int:
-    """11 (the usual window), or the largest odd size that fits the smallest side."""
-    side = min(shape)
-    return min(11, side if side % 2 else side - 1)
 
 
 def ms_ssim_scales(shape: tuple[int, ...], kernel: int = MS_SSIM_KERNEL) -> int:
@@ -229,6 +230,7 @@ def evaluate(
             if mask_np is not None:
                 stats = label_stats(sample[0, 0].numpy(), real[0, 0].numpy(), mask_np, case_labels)
                 row["labels"] = stats
+                row.update(fidelity(sample[0, 0].numpy(), real[0, 0].numpy(), mask_np, case_labels))
             rows.append(row)
         ms, n_pairs, note = diversity(units)
         per_case.append({"case": c.case, "image": str(c.image), "mask": str(c.mask) if c.mask else None,
@@ -237,6 +239,23 @@ def evaluate(
                          "sample_range": list(sample_range), "labels": labels, "data_range": 1.0,
                          "ms_ssim_kernel": MS_SSIM_KERNEL},
             "summary": summarize(rows, per_case), "cases": per_case, "samples": rows}
+
+
+FIDELITY_KEYS = ("head_dice", "lesion_dice", "truth_head_dice", "truth_lesion_dice", "contrast_ratio",
+                 "abs_mean_error_max", "sharpness_ratio")
+
+
+def fidelity(sample: np.ndarray, real: np.ndarray, mask: np.ndarray, labels: list[int]) -> dict[str, float]:
+    """Mask fidelity (``metrics.mask_fidelity``: Otsu Dice of head = all labels and lesion = the last label,
+    contrast ratio, largest per-label mean error) and the sharpness ratio inside the head."""
+    foreground = [label for label in labels if label != 0]
+    if not foreground or not (mask > 0).any():
+        return {}
+    full = mask_fidelity(sample, real, mask, foreground)
+    out = {k: full[k] for k in FIDELITY_KEYS if k in full}
+    head = mask > 0
+    out["sharpness_ratio"] = sharpness(sample, head) / sharpness(real, head)
+    return out
 
 
 def _mean(values: list[float]) -> float | None:
@@ -254,6 +273,9 @@ def summarize(rows: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> dic
         "mae": _mean([r["mae"] for r in rows]),
         "ms_ssim": _mean([c["ms_ssim"] for c in per_case]),
     }
+    for key in FIDELITY_KEYS:
+        if any(key in r for r in rows):
+            summary[key] = _mean([r.get(key) for r in rows])
     labels = sorted({k for r in rows for k in r.get("labels", {})})
     for label in labels:
         diffs = [abs(s["sample_mean"] - s["real_mean"]) for r in rows if (s := r.get("labels", {}).get(label)) and s["voxels"]]
@@ -277,10 +299,12 @@ def flat_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any
     """The per-sample rows with one column per (label, statistic); blank where a label is absent."""
     labels = sorted({k for r in rows for k in r.get("labels", {})})
     stats = ("voxels", "real_mean", "real_std", "sample_mean", "sample_std")
-    header = ["case", "sample", "file", "ssim", "psnr", "mae", *[f"label{k}_{s}" for k in labels for s in stats]]
+    fid = [k for k in FIDELITY_KEYS if any(k in r for r in rows)]
+    header = ["case", "sample", "file", "ssim", "psnr", "mae", *fid, *[f"label{k}_{s}" for k in labels for s in stats]]
     flat = []
     for r in rows:
         out = {k: r[k] for k in header[:6]}
+        out.update({k: r.get(k) for k in fid})
         for k in labels:
             for s in stats:
                 v = r.get("labels", {}).get(k, {}).get(s)

@@ -10,7 +10,9 @@ scale, so a sample with a grey-noise background can still correlate at 0.95.
   lesion / rest-of-head contrast of the sample relative to the truth's. The same Dice of the truth itself is
   reported as the ceiling the data allows.
 - **realism**: SSIM and PSNR against the truth (MONAI, data range 1), and the sharpness ratio: the mean
-  gradient magnitude inside the head, sample over truth (blur < 1, noise > 1).
+  gradient magnitude inside the head, sample over truth (blur < 1, noise > 1). MONAI's SSIM is computed on
+  the valid part of its window (no padding): at 32³ with the 11-voxel window a 5-voxel border, mostly
+  background, is left out, so SSIM must be read together with the background's mean error.
 - **diversity**: the mean SSIM between the samples of one mask (lower = more diverse).
 """
 

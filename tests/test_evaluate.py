@@ -182,3 +182,23 @@ def test_overwrite_replaces_results(folders, capsys):
     assert call(argv(folders), capsys)[0] == 2
     assert call(argv(folders, "--overwrite"), capsys)[0] == 0
     assert math.isclose(json.loads((folders / "eval" / "metrics.json").read_text())["summary"]["ssim"], 1.0, abs_tol=1e-6)
+
+
+def test_mask_fidelity_and_sharpness_columns(folders, capsys):
+    """With masks, each sample gets Otsu Dice, contrast, the largest per-label mean error and sharpness:
+    perfect for the image itself, caught for an offset copy (which SSIM-free correlation would pass)."""
+    image = load_image(folders, "case_0")
+    write_nifti(folders / "samples" / "case_0_sample0.nii.gz", image)
+    write_nifti(folders / "samples" / "case_0_sample1.nii.gz", (image + 0.14).astype(np.float32))  # 0.1 in [0, 1]
+    code, err = call(argv(folders), capsys)
+    assert code == 0, err
+    same, shifted = json.loads((folders / "eval" / "metrics.json").read_text())["samples"]
+    assert same["head_dice"] == same["truth_head_dice"] > 0.95
+    assert same["lesion_dice"] == same["truth_lesion_dice"] > 0.9
+    assert same["abs_mean_error_max"] == 0.0 and same["sharpness_ratio"] == pytest.approx(1.0)
+    assert shifted["abs_mean_error_max"] == pytest.approx(0.1, abs=0.01)
+    with (folders / "eval" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {"head_dice", "lesion_dice", "contrast_ratio", "sharpness_ratio", "abs_mean_error_max"} <= set(rows[0])
+    summary = json.loads((folders / "eval" / "metrics.json").read_text())["summary"]
+    assert summary["abs_mean_error_max"] == pytest.approx(0.05, abs=0.01)

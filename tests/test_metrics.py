@@ -1,0 +1,99 @@
+"""Quality metrics: each one catches the failure it is for (offset, blur, noise, a missing lesion), where
+correlation would not."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion3d import metrics as M
+from diffusion3d.phantoms import make_case
+
+
+@pytest.fixture(scope="module")
+def case():
+    mask, image = make_case(np.random.default_rng([0, 2, 0]), 24)
+    return image, mask
+
+
+def blur(volume: np.ndarray) -> np.ndarray:
+    t = torch.from_numpy(volume)[None, None]
+    return torch.nn.functional.avg_pool3d(t, 3, stride=1, padding=1, count_include_pad=False)[0, 0].numpy()
+
+
+def test_otsu_and_dice():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.normal(0.2, 0.03, 500), rng.normal(0.8, 0.03, 300)])
+    t = M.otsu_threshold(values)
+    assert (values[:500] < t).all() and (values[500:] > t).all()  # in the gap between the modes
+    assert M.otsu_threshold(np.full(10, 0.4)) == 0.4
+    three = np.concatenate([rng.normal(0.1, 0.02, 500), rng.normal(0.5, 0.02, 500), rng.normal(0.9, 0.02, 100)])
+    low, high = M.otsu_thresholds3(three)
+    assert 0.15 < low < 0.45 and 0.55 < high < 0.85
+    a = np.zeros((4, 4, 4), bool)
+    a[:2] = True
+    assert M.dice(a, a) == 1.0 and M.dice(a, ~a) == 0.0 and M.dice(~np.ones_like(a), ~np.ones_like(a)) == 1.0
+
+
+def test_a_perfect_sample_scores_perfectly(case):
+    image, mask = case
+    r = M.score_sample(image, image, mask)
+    assert r["abs_mean_error_max"] == 0.0 and r["ssim"] == pytest.approx(1.0) and math.isinf(r["psnr"])
+    assert r["sharpness_ratio"] == pytest.approx(1.0) and r["contrast_ratio"] == pytest.approx(1.0)
+    assert r["head_dice"] == r["truth_head_dice"] > 0.98
+    assert r["lesion_dice"] == r["truth_lesion_dice"] > 0.9  # the skull rim is its own Otsu class
+
+
+def test_an_offset_keeps_correlation_but_not_the_mean_error(case):
+    image, mask = case
+    shifted = np.clip(image + 0.2, 0, 1)
+    assert np.corrcoef(shifted.ravel(), image.ravel())[0, 1] > 0.95  # what correlation would report
+    r = M.score_sample(shifted, image, mask)
+    assert r["mean_error/0"] == pytest.approx(0.2, abs=0.01)
+    assert r["abs_mean_error_max"] > 0.09 and r["psnr"] < 15
+
+
+def test_grey_noise_background_is_caught(case):
+    image, mask = case
+    noisy = image.copy()
+    bg = mask == 0
+    noisy[bg] = np.random.default_rng(1).uniform(0.1, 0.4, bg.sum())
+    assert np.corrcoef(noisy.ravel(), image.ravel())[0, 1] > 0.6
+    r = M.score_sample(noisy, image, mask)
+    # SSIM alone would not catch it here: MONAI computes it on the valid part of the 11-voxel window,
+    # which at 24³ leaves out a 5-voxel border that is mostly background
+    assert r["mean_error/0"] > 0.2 and r["abs_mean_error_max"] > 0.2
+
+
+def test_sharpness_ratio_tells_blur_from_noise(case):
+    image, mask = case
+    assert M.realism(blur(image), image, mask)["sharpness_ratio"] < 0.8
+    noisy = np.clip(image + np.random.default_rng(2).normal(0, 0.15, image.shape), 0, 1).astype(np.float32)
+    assert M.realism(noisy, image, mask)["sharpness_ratio"] > 1.2
+
+
+def test_a_missing_lesion_is_caught(case):
+    image, mask = case
+    no_lesion = image.copy()
+    no_lesion[mask == 2] = image[mask == 1].mean()
+    r = M.mask_fidelity(no_lesion, image, mask)
+    assert r["lesion_dice"] < 0.3 and r["contrast_ratio"] < 0.8
+    assert r["mean_error/2"] < -0.2 and abs(r["mean_error/0"]) < 1e-6
+    assert r["head_dice"] > 0.95  # the head is still right
+
+
+def test_diversity(case):
+    image, _ = case
+    rng = np.random.default_rng(3)
+    assert M.diversity([image, image]) == pytest.approx(1.0)
+    assert M.diversity([rng.uniform(0, 1, image.shape), rng.uniform(0, 1, image.shape)]) < 0.1
+    assert math.isnan(M.diversity([image]))
+
+
+def test_bad_shapes_raise(case):
+    image, mask = case
+    with pytest.raises(ValueError, match="one shape"):
+        M.score_sample(image[:10], image, mask)
