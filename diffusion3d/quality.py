@@ -244,8 +244,9 @@ def _nanmean(values: Sequence[float]) -> float:
 
 def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCase], spec: SamplingSpec,
                    samples_per_mask: int, device: torch.device, seed: int, batch_size: int = 16,
-                   autocast: Callable | None = None) -> dict[str, Any]:
-    """Sample every test mask ``samples_per_mask`` times with ``spec``; score against the truth."""
+                   autocast: Callable | None = None, save_dir: Path | None = None) -> dict[str, Any]:
+    """Sample every test mask ``samples_per_mask`` times with ``spec``; score against the truth.
+    With ``save_dir`` the samples are written there as ``<case>_sample<j>.nii.gz`` (beside ``<case>_truth``)."""
     diffusion = make_diffusion(cfg)
     labels = cfg.data.labels
     masks = torch.stack([torch.from_numpy(c.mask.astype(np.uint8))[None] for c in cases])
@@ -260,6 +261,13 @@ def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCa
                                 guidance_scale=spec.guidance))
     seconds = time.perf_counter() - start
     unit = ((torch.cat(volumes)[:, 0] + 1) / 2).numpy()
+    if save_dir is not None:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        affine = _affine(unit.shape[-1], SPACING)
+        for c, case in enumerate(cases):
+            save_nifti(case.truth[None], affine, save_dir / f"{case.name}_truth.nii.gz")
+            for j in range(samples_per_mask):
+                save_nifti(unit[c * samples_per_mask + j][None], affine, save_dir / f"{case.name}_sample{j}.nii.gz")
     scores = score_samples(unit, cases, labels)
     scores["evaluations"] = diffusion.evaluations(spec.sampler, spec.steps)
     scores["sampling_s_per_volume"] = seconds / len(seeds)
@@ -268,7 +276,7 @@ def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCa
 
 def train_and_score(cfg: C.Config, cases: Sequence[TestCase], steps: int, eval_at: Sequence[int],
                     specs: Sequence[SamplingSpec], samples_per_mask: int, device: torch.device,
-                    progress: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
+                    progress: Callable[[str], None] = lambda s: None, save_dir: Path | None = None) -> list[dict[str, Any]]:
     """Train ``steps`` optimizer steps of ``cfg``; at each step in ``eval_at`` score every sampling spec."""
     cfg.train.train_num_steps = steps
     train_cases = discover(cfg)
@@ -285,8 +293,10 @@ def train_and_score(cfg: C.Config, cases: Sequence[TestCase], steps: int, eval_a
         losses.append(result.loss)
         if step in eval_at:
             for spec in specs:
+                where = save_dir / f"step_{step:06d}" / spec.label if save_dir is not None else None
                 scores = evaluate_model(trainer.ema.module, cfg, cases, spec, samples_per_mask, device, cfg.train.seed,
-                                        autocast=trainer.autocast if trainer.precision != "fp32" else None)
+                                        autocast=trainer.autocast if trainer.precision != "fp32" else None,
+                                        save_dir=where)
                 row = {"step": step, "train_s": wall, "train_cpu_s": cpu, "loss": float(np.mean(losses[-50:])),
                        "sampling": spec.label, **scores}
                 rows.append(row)
@@ -342,6 +352,8 @@ def build_parser(prog: str = "python -m diffusion3d.quality") -> argparse.Argume
     p.add_argument("--threads", type=int, default=None, help="torch threads (set it to the cores you really have)")
     p.add_argument("--workdir", type=Path, default=None, help="where the sets are written (default: a temp folder)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    p.add_argument("--save_samples", type=Path, default=None,
+                   help="also write every scored sample (and its truth) as NIfTI: DIR/<set>/step_N/<sampling>/")
     p.add_argument("--table", type=Path, nargs="+", default=None, help="print one table from these JSON files and exit")
     return p
 
@@ -387,7 +399,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
             progress(f"{kind}: {args.n_train} training pairs, {args.n_test} test masks, {size}³, {steps} steps, "
                      f"scored at {eval_at} with {', '.join(s.label for s in specs)}")
             rows = train_and_score(cfg, cases, steps, eval_at, specs, args.samples_per_mask, device,
-                                   progress=lambda line, k=kind: progress(f"{name} | {k} | {line}"))
+                                   progress=lambda line, k=kind: progress(f"{name} | {k} | {line}"),
+                                   save_dir=args.save_samples / kind if args.save_samples else None)
             report["rows"] += [{"run": name, "set": kind, **r} for r in rows]
     return report
 

@@ -75,8 +75,12 @@ def test_command_trains_scores_and_writes_json(tmp_path, capsys):
     out = tmp_path / "q.json"
     code = bench_main(["--parts", "quality", "--config", str(tiny_yaml(tmp_path)), "--sets", "phantom", "--size", "16",
                        "--steps", "3", "--eval_every", "2", "--n_train", "4", "--n_test", "2",
-                       "--sampling", "ddim:2,ddpm:3", "--real_pair", str(tmp_path / "absent"), "--out", str(out)])
+                       "--sampling", "ddim:2,ddpm:3", "--real_pair", str(tmp_path / "absent"), "--out", str(out),
+                       "--save_samples", str(tmp_path / "s")])
     assert code == 0
+    saved = tmp_path / "s" / "phantom" / "step_000003" / "ddpm-3"
+    assert sorted(p.name for p in saved.iterdir())[:3] == ["case_000_sample0.nii.gz", "case_000_sample1.nii.gz",
+                                                          "case_000_truth.nii.gz"]
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [(r["step"], r["sampling"]) for r in rows] == [(2, "ddim-2"), (2, "ddpm-3"), (3, "ddim-2"), (3, "ddpm-3")]
