@@ -1,7 +1,8 @@
 """The training command line: parse, check everything, build, ``Trainer(...).train()``.
 
-Only this layer prints and picks exit codes: 2 for bad input (config, flags, data, checkpoints),
-1 for a run stopped by non-finite losses, 130 for a second Ctrl-C.
+Only this layer prints and picks exit codes: 2 for bad input (config, flags, data, checkpoints, a
+results folder another run holds), 1 for a fault (a run stopped by non-finite losses; storage: no space,
+I/O error, read-only folder), 130 for a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from . import config as C
 from . import distributed
-from .data import DataError, build_dataset, discover, format_summary, split_cases, validate
+from .data import DataError, DataProblems, build_dataset, discover, format_summary, split_cases, validate
 from .trainer import NonFiniteError, Trainer, resolve_precision
 
 log = logging.getLogger("diffusion3d")
@@ -134,7 +135,34 @@ def install_signal_handlers(trainer: Trainer) -> None:
     signal.signal(signal.SIGINT, request_stop)
 
 
+_held_locks: list[ckpt.FolderLock] = []  # the results folder's lock, held until run() returns
+
+
+def write_config(cfg: C.Config, path: Path) -> None:
+    """The resolved config, written atomically (temp file, replace); StorageError on an OS failure."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(cfg.to_yaml())
+        tmp.replace(path)
+    except OSError as e:
+        raise ckpt.storage_error(path, e, "the resolved config") from None
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def run(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    finally:
+        while _held_locks:
+            _held_locks.pop().release()
+
+
+def _run(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = resolve_config(args, parser)
@@ -157,25 +185,30 @@ def run(argv: list[str] | None = None) -> int:
         plan_batch(cfg, device, dist)
     results = C.results_dir(cfg)
     # rank 0 alone decides what to resume (or why not) and prepares the folder; the others follow it
-    decision: tuple[str | None, str | None] = (None, None)  # (checkpoint path, error)
+    decision: tuple[str | None, str | None, int] = (None, None, 2)  # (checkpoint path, error, exit code)
     found = None
     if dist.is_main:
+        # one run per folder: rank 0 holds the lock until this process ends (the kernel drops it on death)
         try:
+            lock = ckpt.lock_folder(results, "run")
+            _held_locks.append(lock)
+            ckpt.remove_stale_temps(results / "checkpoints")  # a killed writer's; nobody else writes here now
             found = select_checkpoint(cfg, results)
-            decision = (str(found[0]) if found else None, None)
-        except InputError as e:
-            decision = (None, str(e))
-    resume_path, error = distributed.broadcast_object(decision)
+            decision = (str(found[0]) if found else None, None, 2)
+        except (InputError, ckpt.FolderLockedError) as e:
+            decision = (None, str(e), 2)
+        except ckpt.StorageError as e:
+            decision = (None, str(e), 1)
+    resume_path, error, code = distributed.broadcast_object(decision)
     if error is not None:
-        raise InputError(error)
+        raise (InputError if code == 2 else ckpt.StorageError)(error)
 
     if dist.is_main:
         print(f"# diffusion3d resolved config ({results})\n{cfg.to_yaml()}", flush=True)
         if cfg.train.resume == "none" and cfg.train.overwrite:
             for sub in ("checkpoints", "tb", "samples"):
                 shutil.rmtree(results / sub, ignore_errors=True)
-        results.mkdir(parents=True, exist_ok=True)
-        (results / "config.yaml").write_text(cfg.to_yaml())
+        write_config(cfg, results / "config.yaml")
     distributed.barrier()  # nobody reads results_dir (cache, checkpoint) before rank 0 has prepared it
 
     trainer = build_trainer(cfg, cases, device, results, dist.rank, dist.world_size)
@@ -207,11 +240,20 @@ def main(argv: list[str] | None = None) -> None:
     with distributed.fail_fast():
         try:
             code = run(argv)
+        except DataProblems as e:  # every bad file, one line each, then how many cases
+            for line in e.errors:
+                print(f"error: {line}", file=sys.stderr)
+            print(f"error: {e.summary}; nothing was written", file=sys.stderr)
+            code = 2
         except (InputError, DataError) as e:
             print(f"error: {e}", file=sys.stderr)
             code = 2
-        except NonFiniteError as e:
+        except (NonFiniteError, ckpt.StorageError) as e:
             print(f"error: {e}", file=sys.stderr)
+            code = 1
+        except OSError as e:  # a storage failure no library layer named: still one line, still a fault
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"error: {where}{e.strerror or e}", file=sys.stderr)
             code = 1
         except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)

@@ -46,6 +46,7 @@ class DataConfig:
     pin_memory: bool = True
     num_val_cases: int = 2  # held out from training, sampled for monitoring
     shape_tolerance_mm: float = 1e-3  # image/mask affines may differ by this much
+    max_volume_gb: float | None = 2.0  # refuse a file whose header declares more voxel data (None: no ceiling)
 
 
 @dataclass

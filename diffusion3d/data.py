@@ -41,6 +41,7 @@ from monai.transforms import (
     Transform,
 )
 
+from .checkpoint import storage_error
 from .diffusion import SALT_PERMUTATION, derive_seed
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,13 @@ def scan_folder(folder: Path, suffix: str) -> dict[str, Path]:
     if not files:
         raise DataError(f"{folder}: no NIfTI files (.nii or .nii.gz) in this folder")
     found: dict[str, Path] = {}
+    errors = []
     for p in files:
         name = case_name(p, suffix)
         if name in found:
-            raise DataError(f"{p}: case name {name!r} also used by {found[name].name}")
-        found[name] = p
+            errors.append(f"{p}: case name {name!r} also used by {found[name].name}")
+        found[name] = found.get(name, p)
+    _raise_all(errors, "duplicate case names")
     return found
 
 
@@ -98,19 +101,26 @@ def discover(cfg) -> list[Case]:
     per_channel = [scan_folder(Path(p), d.image_suffix) for p in image_dirs]
     masks = scan_folder(Path(d.mask_dir), d.mask_suffix) if need_mask else {}
     names = set(per_channel[0])
+    errors: list[str] = []  # every unpaired file, one line each
     for folder, found in zip(image_dirs[1:], per_channel[1:]):
-        missing = sorted(names - set(found))
-        if missing:
-            raise DataError(f"{per_channel[0][missing[0]]}: no image of case {missing[0]!r} in {folder}")
-        extra = sorted(set(found) - names)
-        if extra:
-            raise DataError(f"{found[extra[0]]}: no image of case {extra[0]!r} in {image_dirs[0]}")
+        for name in sorted(names - set(found)):
+            errors.append(f"{per_channel[0][name]}: no image of case {name!r} in {folder}")
+        for name in sorted(set(found) - names):
+            errors.append(f"{found[name]}: no image of case {name!r} in {image_dirs[0]}")
     if need_mask:
         for name in sorted(names - set(masks)):
-            raise DataError(f"{per_channel[0][name]}: image without mask (no case {name!r} in {d.mask_dir})")
+            errors.append(f"{per_channel[0][name]}: image without mask (no case {name!r} in {d.mask_dir})")
         for name in sorted(set(masks) - names):
-            raise DataError(f"{masks[name]}: mask without image (no case {name!r} in {image_dirs[0]})")
+            errors.append(f"{masks[name]}: mask without image (no case {name!r} in {image_dirs[0]})")
+    _raise_all(errors, "unpaired files")
     return [Case(n, [found[n] for found in per_channel], masks.get(n)) for n in sorted(names)]
+
+
+def _raise_all(errors: list[str], what: str) -> None:
+    if len(errors) == 1:
+        raise DataError(errors[0])
+    if errors:
+        raise DataProblems(errors, f"{len(errors)} {what}")
 
 
 def _image_columns(columns: Sequence[str]) -> list[str]:
@@ -135,20 +145,24 @@ def _read_manifest(path: Path, need_mask: bool) -> list[Case]:
     base = path.parent
     cases: list[Case] = []
     seen: set[str] = set()
+    errors: list[str] = []
     for line, row in enumerate(rows, start=2):  # line 1 is the header
         wanted = [*image_cols, *(["mask"] if need_mask else [])]
         empty = [c for c in ["case", *wanted] if not (row.get(c) or "").strip()]
         if empty:
-            raise DataError(f"{path}: line {line} has no value for {', '.join(empty)}")
+            errors.append(f"{path}: line {line} has no value for {', '.join(empty)}")
+            continue
         name = row["case"].strip()
         if name in seen:
-            raise DataError(f"{path}: line {line}: case name {name!r} listed twice")
+            errors.append(f"{path}: line {line}: case name {name!r} listed twice")
+            continue
         seen.add(name)
         files = [(base / row[c].strip()).resolve() for c in wanted]
-        for p in files:
-            if not p.is_file():
-                raise DataError(f"{p}: file not found (listed in {path}, case {name!r})")
-        cases.append(Case(name, files[: len(image_cols)], files[len(image_cols)] if need_mask else None))
+        missing = [p for p in files if not p.is_file()]
+        errors += [f"{p}: file not found (listed in {path}, case {name!r})" for p in missing]
+        if not missing:
+            cases.append(Case(name, files[: len(image_cols)], files[len(image_cols)] if need_mask else None))
+    _raise_all(errors, "bad manifest lines")
     return cases
 
 
@@ -190,16 +204,128 @@ def _diagnose(path: Path) -> str:
     return "not a readable NIfTI file"
 
 
-def read_volume(path: Path) -> tuple[VolumeInfo, np.ndarray]:
+GZIP_MAX_RATIO = 1032  # deflate cannot expand by more (RFC 1951 limits): bounds a .gz file's contents
+DEFAULT_MAX_VOLUME_BYTES = 2 * 2**30
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _datatype_problem(img) -> str | None:
+    """None for a real integer or float datatype; else why the file's datatype cannot be an MRI volume."""
+    header = img.header
+    try:
+        label = str(header.get_value_label("datatype"))
+    except Exception:
+        label = f"code {int(header['datatype'])}"
+    try:
+        dtype = header.get_data_dtype()
+    except Exception:
+        return f"datatype {label} is not supported (not a real integer or float type)"
+    if dtype.kind in "iuf" and dtype.itemsize > 0:
+        return None
+    if dtype.fields is not None:  # RGB24 / RGBA32: structured R, G, B(, A) bytes
+        return f"datatype {label} ({len(dtype.fields)} colour channels per voxel) is not supported; " \
+               "save a greyscale volume (one channel per file)"
+    if dtype.kind == "c":
+        return f"datatype {label} (complex voxels) is not supported; save the magnitude or the real part as float32"
+    return f"datatype {label} is not supported (not a real integer or float type)"
+
+
+def _gzip_content_size(path: Path, needed: int) -> int | None:
+    """At least how many bytes ``path`` decompresses to, as far as needed to tell whether it holds
+    ``needed`` bytes; None when it does. Decides from the gzip trailer (ISIZE, the size mod 2^32) and the
+    compressed size where it can; otherwise (several gzip members, a damaged trailer) streams through the
+    data in 1 MiB pieces, which allocates nothing the header claims."""
+    compressed = path.stat().st_size
+    bound = compressed * GZIP_MAX_RATIO + 2**16
+    if needed > bound:
+        return bound  # no deflate stream this short holds that much
+    if compressed >= 18:
+        with path.open("rb") as f:
+            f.seek(-4, os.SEEK_END)
+            isize = int.from_bytes(f.read(4), "little")
+        smallest = needed + ((isize - needed) % 2**32)  # the smallest content size >= needed with this ISIZE
+        if smallest <= bound:
+            return None
+    total = 0
+    with gzip.open(path, "rb") as f:  # EOFError / BadGzipFile / zlib.error: the caller names them
+        while piece := f.read(2**20):
+            total += len(piece)
+            if total >= needed:
+                return None
+    return total
+
+
+def check_header(path: Path, img, max_bytes: int | None = DEFAULT_MAX_VOLUME_BYTES) -> tuple[int, ...]:
+    """Datatype, dimensions and declared size of an opened (not yet read) NIfTI file; DataError naming
+    the file. Nothing here reads voxels: a header cannot make anything allocate what it merely claims."""
+    problem = _datatype_problem(img)
+    if problem:
+        raise DataError(f"{path}: {problem}")
+    shape = tuple(int(n) for n in img.header.get_data_shape())
+    if len(shape) == 4 and shape[3] == 1:
+        shape = shape[:3]
+    if len(shape) != 3:
+        raise DataError(f"{path}: expected a 3D volume, got shape {shape}")
+    if min(shape) < 1:
+        raise DataError(f"{path}: header declares an empty volume (shape {shape})")
+    dtype = img.header.get_data_dtype()
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    declared = f"shape {shape} {dtype.name} ({_bytes(nbytes)})"
+    offset = int(img.header.get_data_offset())
+    needed = offset + nbytes
+    if path.name.endswith(".gz"):
+        try:
+            holds = _gzip_content_size(path, needed)
+        except EOFError as e:
+            raise DataError(f"{path}: truncated file ({e})") from None
+        except (gzip.BadGzipFile, zlib.error) as e:
+            raise DataError(f"{path}: corrupt gzip data ({e})") from None
+    else:
+        size = path.stat().st_size
+        holds = None if size >= needed else size
+    if holds is not None:
+        raise DataError(f"{path}: truncated file or wrong header: it declares {declared} of voxel data, "
+                        f"the file holds at most {_bytes(max(holds - offset, 0))}")
+    if max_bytes is not None and nbytes > max_bytes:
+        raise DataError(f"{path}: header declares {declared}, over the ceiling of {_bytes(max_bytes)} per volume "
+                        "(max_volume_gb; raise it if the volume is real)")
+    return shape
+
+
+def max_volume_bytes(cfg) -> int | None:
+    gb = getattr(cfg.data, "max_volume_gb", 2.0)
+    if gb is None:
+        return None
+    if not gb > 0:
+        raise DataError(f"max_volume_gb: must be positive or null, got {gb}")
+    return int(gb * 2**30)
+
+
+def read_volume(path: Path, max_bytes: int | None = DEFAULT_MAX_VOLUME_BYTES) -> tuple[VolumeInfo, np.ndarray]:
+    """Open, check the header (datatype, shape, declared size; see check_header), then read the voxels."""
     try:
         img = nib.load(str(path))
+        check_header(path, img, max_bytes)
         data = np.asanyarray(img.dataobj)
+    except DataError:
+        raise
     except EOFError as e:
         raise DataError(f"{path}: truncated file ({e})") from None
     except (gzip.BadGzipFile, zlib.error) as e:
         raise DataError(f"{path}: corrupt gzip data ({e})") from None
     except nib.filebasedimages.ImageFileError:
         raise DataError(f"{path}: {_diagnose(path)}") from None
+    except nib.spatialimages.HeaderDataError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{path}: unsupported NIfTI header ({first})") from None
+    except MemoryError:
+        raise DataError(f"{path}: not enough memory to read it (lower max_volume_gb to refuse such files early)") from None
     except (OSError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         kind = "truncated file" if "Expected" in first and "bytes" in first else "unreadable"
@@ -213,13 +339,25 @@ def read_volume(path: Path) -> tuple[VolumeInfo, np.ndarray]:
     return VolumeInfo(tuple(data.shape), zooms, codes, img.affine), data
 
 
+def _value_counts(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(mask, return_counts=True), by counting (bincount, 10x faster) for integer label maps."""
+    if mask.size and mask.dtype.kind in "iu":
+        lo, hi = int(mask.min()), int(mask.max())
+        if hi - lo <= 65535:
+            flat = mask.ravel()
+            counts = np.bincount(flat if lo == 0 else flat.astype(np.int64) - lo, minlength=hi - lo + 1)
+            present = np.flatnonzero(counts)
+            return present + lo, counts[present]
+    return np.unique(mask, return_counts=True)
+
+
 def check_mask_labels(
     path: Path, mask: np.ndarray, labels: Sequence[int], unknown_labels: str = "error"
 ) -> tuple[dict[int, int], list[str]]:
     """Voxel count per label of a mask, and warnings; DataError for what no model can be conditioned on."""
     if not np.isfinite(mask).all():
         raise DataError(f"{path}: contains NaN or infinite voxels")
-    values, counts = np.unique(mask, return_counts=True)
+    values, counts = _value_counts(mask)
     if np.any(values != np.round(values)):
         raise DataError(f"{path}: mask has non-integer values (is this an image?)")
     label_counts = {int(v): int(c) for v, c in zip(values, counts)}
@@ -235,51 +373,117 @@ def check_mask_labels(
     return label_counts, warnings
 
 
+def _check_image(path: Path, max_bytes: int | None) -> VolumeInfo:
+    info, data = read_volume(path, max_bytes)
+    if not np.isfinite(data).all():
+        raise DataError(f"{path}: contains NaN or infinite voxels")
+    if data.size == 0 or float(data.max()) == float(data.min()):
+        raise DataError(f"{path}: constant image (every voxel is {float(data.flat[0]) if data.size else 'empty'})")
+    return info
+
+
 def check_case(case: Case, cfg) -> dict[str, Any]:
-    """Validate one case; raises DataError naming the file. Returns its summary (and warnings)."""
+    """Validate one case: every file of it, each file read once. Raises DataError naming the file (one bad
+    file) or DataProblems (several). Returns its summary (and warnings)."""
     d = cfg.data
-    infos = []
+    max_bytes = max_volume_bytes(cfg)
+    errors: list[str] = []
+    infos: dict[Path, VolumeInfo] = {}
     for path in case.images:
-        info, data = read_volume(path)
-        if not np.isfinite(data).all():
-            raise DataError(f"{path}: contains NaN or infinite voxels")
-        if data.size == 0 or float(data.max()) == float(data.min()):
-            raise DataError(f"{path}: constant image (every voxel is {float(data.flat[0]) if data.size else 'empty'})")
-        if infos and info.shape != infos[0].shape:
-            raise DataError(f"{path}: shape {info.shape} differs from {case.images[0].name} {infos[0].shape}")
-        if infos and not np.allclose(info.affine, infos[0].affine, atol=d.shape_tolerance_mm):
-            raise DataError(f"{path}: affine differs from {case.images[0].name}'s beyond tolerance")
-        infos.append(info)
-    summary: dict[str, Any] = {
-        "case": case.name,
-        "shape": infos[0].shape,
-        "spacing": tuple(round(s, 4) for s in infos[0].spacing),
-        "orientation": infos[0].orientation,
-        "warnings": [],
-    }
-    if case.mask is None:
-        return summary
-    minfo, mask = read_volume(case.mask)
-    if minfo.shape != infos[0].shape:
-        raise DataError(f"{case.mask}: mask shape {minfo.shape} differs from image shape {infos[0].shape}")
-    if not np.allclose(minfo.affine, infos[0].affine, atol=d.shape_tolerance_mm):
-        raise DataError(f"{case.mask}: mask affine differs from the image's ({case.images[0].name}) beyond tolerance")
-    label_counts, warnings = check_mask_labels(case.mask, mask, d.labels, d.unknown_labels)
-    summary["warnings"] += warnings
-    summary["labels"] = label_counts
+        try:
+            infos[path] = _check_image(path, max_bytes)
+        except DataError as e:
+            errors.append(str(e))
+    first = case.images[0]
+    if not errors:
+        for path in case.images[1:]:
+            info, ref = infos[path], infos[first]
+            if info.shape != ref.shape:
+                errors.append(f"{path}: shape {info.shape} differs from {first.name} {ref.shape}")
+            elif not np.allclose(info.affine, ref.affine, atol=d.shape_tolerance_mm):
+                errors.append(f"{path}: affine differs from {first.name}'s beyond tolerance")
+    summary: dict[str, Any] = {"case": case.name, "warnings": []}
+    if case.mask is not None:
+        try:
+            minfo, mask = read_volume(case.mask, max_bytes)
+            if first in infos and minfo.shape != infos[first].shape:
+                raise DataError(f"{case.mask}: mask shape {minfo.shape} differs from image shape {infos[first].shape}")
+            if first in infos and not np.allclose(minfo.affine, infos[first].affine, atol=d.shape_tolerance_mm):
+                raise DataError(f"{case.mask}: mask affine differs from the image's ({first.name}) beyond tolerance")
+            label_counts, warnings = check_mask_labels(case.mask, mask, d.labels, d.unknown_labels)
+            summary["warnings"] += warnings
+            summary["labels"] = label_counts
+        except DataError as e:
+            errors.append(str(e))
+    if len(errors) == 1:
+        raise DataError(errors[0])
+    if errors:
+        raise DataProblems(errors, f"case {case.name!r} has {len(errors)} bad files")
+    ref = infos[first]
+    summary.update(shape=ref.shape, spacing=tuple(round(s, 4) for s in ref.spacing), orientation=ref.orientation)
     return summary
 
 
-def validate(cases: Sequence[Case], cfg) -> list[dict[str, Any]]:
-    """Validate every case (stops at the first error). Warnings are logged and returned in the summaries."""
+class DataProblems(DataError):
+    """Several bad inputs at once: ``errors`` holds one line per bad file, ``summary`` the count.
+
+    ``str()`` is the lines themselves (a single bad file: its one line, as a plain DataError)."""
+
+    def __init__(self, errors: Sequence[str], summary: str) -> None:
+        self.errors, self.summary = list(errors), summary
+        super().__init__("\n".join(self.errors))
+
+
+def _check_case_safely(args: tuple[Case, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    case, cfg = args
+    try:
+        return check_case(case, cfg), []
+    except DataProblems as e:
+        return None, e.errors
+    except DataError as e:
+        return None, [str(e)]
+    except MemoryError:
+        return None, [f"{case.images[0]}: not enough memory to validate case {case.name!r}"]
+
+
+def _pool(workers: int):
+    """A process pool for validation; fork where the OS has it (cheap: the parent's imports are shared)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+
+
+def validate(cases: Sequence[Case], cfg, workers: int | None = None) -> list[dict[str, Any]]:
+    """Validate every case and report every bad one: DataProblems lists one line per bad file, then
+    "k of n cases are bad". Warnings are logged and returned in the summaries.
+
+    ``workers`` (default: data.num_workers) processes check cases in parallel; 0 or 1 checks them here.
+    """
     if not cases:
         raise DataError(f"{cfg.data.image_dir}: no cases found")
-    summaries = []
-    for case in cases:
-        s = check_case(case, cfg)
-        for w in s["warnings"]:
+    max_volume_bytes(cfg)  # a bad ceiling is one error, not one per case
+    workers = cfg.data.num_workers if workers is None else workers
+    workers = max(0, min(workers, len(cases), os.cpu_count() or 1))
+    jobs = [(case, cfg) for case in cases]
+    if workers > 1:
+        with _pool(workers) as pool:
+            results = list(pool.map(_check_case_safely, jobs, chunksize=max(1, len(jobs) // (workers * 8))))
+    else:
+        results = [_check_case_safely(job) for job in jobs]
+    summaries, errors, bad = [], [], 0
+    for summary, case_errors in results:
+        if case_errors:
+            errors += case_errors
+            bad += 1
+            continue
+        for w in summary["warnings"]:
             log.warning(w)
-        summaries.append(s)
+        summaries.append(summary)
+    if errors:
+        raise DataProblems(errors, f"{bad} of {len(cases)} cases are bad")
     return summaries
 
 
@@ -448,8 +652,16 @@ def save_nifti(volume: np.ndarray, affine: np.ndarray, path: str | Path, dtype=n
     img.set_sform(affine, code=1)
     path = Path(path)
     tmp = path.with_name(f".tmp.{path.name}")  # keeps the .nii.gz ending nibabel needs
-    nib.save(img, str(tmp))
-    tmp.replace(path)
+    try:
+        nib.save(img, str(tmp))
+        tmp.replace(path)
+    except OSError as e:
+        raise storage_error(path, e, "the NIfTI file") from None
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 # ---- caching, stream, loader ----------------------------------------------------------------------

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
+from . import checkpoint as ckpt
 from .data import NIFTI_SUFFIXES, DataError, read_volume
 from .metrics import mask_fidelity, sharpness, ssim_window
 from .sample import InputError, OneLineParser
@@ -380,7 +381,15 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     cases = pair(args.samples, args.images, args.masks)
     result = evaluate(cases, labels, real_range, percentiles, sample_range)
     result["settings"]["step"] = args.step
-    write_outputs(result, args.out, args.step)
+    try:  # one writer per output folder; taken once the inputs are known good, so bad input writes nothing
+        lock = ckpt.lock_folder(args.out, "evaluation")
+    except ckpt.FolderLockedError as e:
+        raise InputError(str(e)) from None
+    with lock:
+        existing = [args.out / n for n in OUTPUTS if (args.out / n).exists()]
+        if existing and not args.overwrite:  # written meanwhile by a run that has finished
+            raise InputError(f"{existing[0]}: already exists; use --overwrite to replace")
+        write_outputs(result, args.out, args.step)
     return result
 
 
@@ -392,6 +401,10 @@ def main(argv: list[str] | None = None) -> None:
     except (InputError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (ckpt.StorageError, OSError) as e:  # no space, I/O error, read-only folder: a fault, exit 1
+        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+        print(f"error: {where}{e}" if not where else f"error: {where}{e.strerror}", file=sys.stderr)
+        sys.exit(1)
     s = result["summary"]
 
     def fmt(v: float | None) -> str:

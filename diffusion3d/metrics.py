@@ -5,8 +5,9 @@ map that conditioned the sample (0 background). Correlation is deliberately abse
 scale, so a sample with a grey-noise background can still correlate at 0.95.
 
 - **mask fidelity**: per-label signed mean intensity error (sample − truth); Dice against the mask of an
-  Otsu threshold of the sample (head: two classes over the whole volume; lesion: the extreme class of a
-  three-class Otsu inside the true head, so a bright skull rim in the head is its own class); the
+  Otsu threshold of the sample (head: over the whole volume; lesion: inside the true head eroded by ``rim``
+  voxels, default 2, so that a bright skull or scalp at the head's edge is not taken for lesion — a
+  lesion voxel within 2 voxels of the head's surface is left out of both sides of that Dice); the
   lesion / rest-of-head contrast of the sample relative to the truth's. The same Dice of the truth itself is
   reported as the ceiling the data allows.
 - **realism**: SSIM and PSNR against the truth (MONAI, data range 1), and the sharpness ratio: the mean
@@ -62,28 +63,6 @@ def otsu_threshold(values: np.ndarray, bins: int = 256) -> float:
     return float((centres[i] + centres[i + 1]) / 2)
 
 
-def otsu_thresholds3(values: np.ndarray, bins: int = 64) -> tuple[float, float]:
-    """Three-class Otsu (Liao et al. 2001): the two thresholds maximising the between-class variance."""
-    values = np.asarray(values, dtype=np.float64).ravel()
-    if values.min() == values.max():
-        return float(values.min()), float(values.max())
-    counts, centres = _histogram(values, bins)
-    c0, c1 = np.concatenate([[0], np.cumsum(counts)]), np.concatenate([[0], np.cumsum(counts * centres)])
-    total_mean = c1[-1] / c0[-1]
-    best, pair = -1.0, (1, 2)
-    for i in range(1, bins - 1):
-        for j in range(i + 1, bins):
-            score = 0.0
-            for a, b in ((0, i), (i, j), (j, bins)):
-                w = c0[b] - c0[a]
-                if w > 0:
-                    score += w * ((c1[b] - c1[a]) / w - total_mean) ** 2
-            if score > best:
-                best, pair = score, (i, j)
-    edges = np.concatenate([[centres[0]], (centres[:-1] + centres[1:]) / 2, [centres[-1]]])
-    return float(edges[pair[0]]), float(edges[pair[1]])
-
-
 def dice(pred: np.ndarray, target: np.ndarray) -> float:
     """Dice of two boolean arrays; 1.0 when both are empty."""
     pred, target = np.asarray(pred, bool), np.asarray(target, bool)
@@ -107,16 +86,27 @@ def _head_dice(volume: np.ndarray, head: np.ndarray) -> float:
     return dice(volume > otsu_threshold(volume), head)
 
 
-def _lesion_dice(volume: np.ndarray, head: np.ndarray, lesion: np.ndarray, brighter: bool) -> float:
-    if not lesion.any():
+def erode(region: np.ndarray, voxels: int) -> np.ndarray:
+    """Binary erosion by a (2·voxels + 1)³ cube."""
+    if voxels <= 0:
+        return region
+    outside = torch.from_numpy(~np.asarray(region, bool)).float()[None, None]
+    grown = torch.nn.functional.max_pool3d(outside, 2 * voxels + 1, stride=1, padding=voxels)
+    return grown[0, 0].numpy() == 0
+
+
+def _lesion_dice(volume: np.ndarray, inner: np.ndarray, lesion: np.ndarray, brighter: bool) -> float:
+    """Two-class Otsu of the voxels inside the eroded head; the lesion is the side the truth's lesion is on."""
+    if not (lesion & inner).any():
         return float("nan")
-    low, high = otsu_thresholds3(volume[head])
-    found = (volume > high) if brighter else (volume <= low)
-    return dice(found & head, lesion)
+    threshold = otsu_threshold(volume[inner])
+    found = (volume > threshold) if brighter else (volume <= threshold)
+    return dice(found & inner, lesion & inner)
 
 
 def mask_fidelity(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels: Sequence[int] = (1, 2),
-                  head_labels: Sequence[int] | None = None, lesion_label: int | None = None) -> dict[str, float]:
+                  head_labels: Sequence[int] | None = None, lesion_label: int | None = None,
+                  rim: int = 2) -> dict[str, float]:
     """Does the sample follow its mask? See the module docstring for each key."""
     _check(sample, truth, mask)
     labels = list(labels)
@@ -133,8 +123,9 @@ def mask_fidelity(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, label
     brighter = _mean(truth, lesion) > _mean(truth, rest) if lesion.any() else True
     out["head_dice"] = _head_dice(sample, head)
     out["truth_head_dice"] = _head_dice(truth, head)
-    out["lesion_dice"] = _lesion_dice(sample, head, lesion, brighter)
-    out["truth_lesion_dice"] = _lesion_dice(truth, head, lesion, brighter)
+    inner = erode(head, rim)
+    out["lesion_dice"] = _lesion_dice(sample, inner, lesion, brighter)
+    out["truth_lesion_dice"] = _lesion_dice(truth, inner, lesion, brighter)
     out["contrast"] = _mean(sample, lesion) / _mean(sample, rest) if lesion.any() and rest.any() else float("nan")
     out["contrast_truth"] = _mean(truth, lesion) / _mean(truth, rest) if lesion.any() and rest.any() else float("nan")
     out["contrast_ratio"] = out["contrast"] / out["contrast_truth"]

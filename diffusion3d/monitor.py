@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import torch
 from einops import rearrange
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
+
+from .checkpoint import storage_error
 
 
 def peak_rss_gb() -> float:
@@ -37,29 +40,61 @@ def montage(columns: list[torch.Tensor]) -> torch.Tensor:
 
 
 class Monitor:
-    """TensorBoard writer (rank 0 only) plus the progress bar. ``purge_step`` drops stale events on resume."""
+    """TensorBoard writer (rank 0 only) plus the progress bar. ``purge_step`` drops stale events on resume.
+
+    TensorBoard writes from a background thread and reports a failed write (ENOSPC, EIO) at the next call;
+    every call here turns that OSError into a StorageError naming the event file. After one failure the
+    writer is dropped: close() does not raise the same error again over the first.
+    """
 
     def __init__(self, log_dir: Path | None, total_steps: int, start_step: int, quiet: bool, purge_step: int | None = None):
-        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step) if log_dir is not None else None
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.writer = None
+        if log_dir is not None:
+            try:
+                self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+            except OSError as e:
+                raise storage_error(log_dir, e, "TensorBoard events") from None
         self.bar = tqdm(total=total_steps, initial=start_step, desc="training", disable=quiet, dynamic_ncols=True)
+
+    def event_file(self) -> Path | None:
+        try:
+            return Path(self.writer.file_writer.event_writer._file_name)
+        except AttributeError:
+            return self.log_dir
+
+    def _write(self, call, *args, **kwargs) -> None:
+        if self.writer is None:
+            return
+        try:
+            call(*args, **kwargs)
+        except OSError as e:
+            where = self.event_file()
+            self._drop_writer()
+            raise storage_error(where, e, "TensorBoard events") from None
+
+    def _drop_writer(self) -> None:
+        writer, self.writer = self.writer, None
+        with contextlib.suppress(Exception):
+            writer.close()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is not None:
             for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+                self._write(self.writer.add_scalar, tag, value, step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag, text, step)
+            self._write(self.writer.add_text, tag, text, step)
 
     def hparams(self, hparams: dict[str, Any]) -> None:
         if self.writer is not None:
             clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
-            self.writer.add_hparams(clean, {}, run_name=".")
+            self._write(self.writer.add_hparams, clean, {}, run_name=".")
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         if self.writer is not None:
-            self.writer.add_image(tag, image, step, dataformats="CHW")
+            self._write(self.writer.add_image, tag, image, step, dataformats="CHW")
 
     def progress(self, step: int, postfix: dict[str, str]) -> None:
         self.bar.n = step
@@ -68,9 +103,16 @@ class Monitor:
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            self._write(self.writer.flush)
 
     def close(self) -> None:
+        """Flush and close; an OS failure raises StorageError unless an exception is already on its way
+        (``close`` runs in the trainer's ``finally``: the first error is the one to report)."""
         self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        if self.writer is None:
+            return
+        if sys.exc_info()[0] is not None:
+            self._drop_writer()
+            return
+        self._write(self.writer.close)
+        self.writer = None

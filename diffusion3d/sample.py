@@ -361,7 +361,10 @@ def run(argv: list[str] | None = None) -> list[Path]:
     log.info("%s (step %d, %s weights): %d masks × %d samples, %s %d steps (%d model evaluations), guidance %g, device %s",
              state["path"], state["step"], args.weights, len(masks), args.n, sampler, steps,
              diffusion.evaluations(sampler, steps), guidance, device)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # one writer per output folder, held until run() returns (the kernel drops it if we die)
+        lock = ckpt.lock_folder(args.out, "sampling run")
+    except ckpt.FolderLockedError as e:
+        raise InputError(str(e)) from None
     batches = [jobs[i:i + args.batch_size] for i in range(0, len(jobs), args.batch_size)]
     bar = tqdm(total=len(batches) * diffusion.evaluations(sampler, steps), desc=f"sampling ({sampler})",
                unit="step", disable=args.quiet, dynamic_ncols=True)
@@ -384,6 +387,7 @@ def run(argv: list[str] | None = None) -> list[Path]:
         for case in done:  # masks are sampled in order: free each grid once its last volume is written
             grids.pop(case, None)
     bar.close()
+    lock.release()
     return written
 
 
@@ -395,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     except (InputError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except ckpt.StorageError as e:  # no space, I/O error, read-only folder: a fault, not bad input
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     if written:
         print(f"wrote {len(written)} sample(s) to {written[0].parent}")
     sys.exit(0)

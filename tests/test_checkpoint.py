@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -134,10 +135,10 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
 
     def failing_save(obj, f):
         f.write(b"partial")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError):
+    with pytest.raises(ckpt.StorageError, match="No space left on device"):
         ckpt.save_atomic({"x": torch.ones(3)}, path)
     assert path.read_bytes() == original
     assert [p.name for p in path.parent.iterdir()] == [path.name]

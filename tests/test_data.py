@@ -230,7 +230,8 @@ def test_check_data_command(tmp_path, capsys):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {bad}: truncated"), proc.stderr
+    assert len(lines) == 2 and lines[0].startswith(f"error: {bad}: truncated"), proc.stderr
+    assert lines[1] == "error: 1 of 2 cases are bad; nothing was written"
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
 

@@ -30,9 +30,9 @@ def test_otsu_and_dice():
     t = M.otsu_threshold(values)
     assert (values[:500] < t).all() and (values[500:] > t).all()  # in the gap between the modes
     assert M.otsu_threshold(np.full(10, 0.4)) == 0.4
-    three = np.concatenate([rng.normal(0.1, 0.02, 500), rng.normal(0.5, 0.02, 500), rng.normal(0.9, 0.02, 100)])
-    low, high = M.otsu_thresholds3(three)
-    assert 0.15 < low < 0.45 and 0.55 < high < 0.85
+    ball = np.zeros((9, 9, 9), bool)
+    ball[2:7, 2:7, 2:7] = True
+    assert M.erode(ball, 1).sum() == 27 and M.erode(ball, 2).sum() == 1 and M.erode(ball, 0) is ball
     a = np.zeros((4, 4, 4), bool)
     a[:2] = True
     assert M.dice(a, a) == 1.0 and M.dice(a, ~a) == 0.0 and M.dice(~np.ones_like(a), ~np.ones_like(a)) == 1.0
@@ -44,7 +44,7 @@ def test_a_perfect_sample_scores_perfectly(case):
     assert r["abs_mean_error_max"] == 0.0 and r["ssim"] == pytest.approx(1.0) and math.isinf(r["psnr"])
     assert r["sharpness_ratio"] == pytest.approx(1.0) and r["contrast_ratio"] == pytest.approx(1.0)
     assert r["head_dice"] == r["truth_head_dice"] > 0.98
-    assert r["lesion_dice"] == r["truth_lesion_dice"] > 0.9  # the skull rim is its own Otsu class
+    assert r["lesion_dice"] == r["truth_lesion_dice"] > 0.9  # the bright skull rim is eroded away
 
 
 def test_an_offset_keeps_correlation_but_not_the_mean_error(case):
@@ -78,11 +78,21 @@ def test_sharpness_ratio_tells_blur_from_noise(case):
 def test_a_missing_lesion_is_caught(case):
     image, mask = case
     no_lesion = image.copy()
-    no_lesion[mask == 2] = image[mask == 1].mean()
+    no_lesion[mask == 2] = np.random.default_rng(4).normal(0.5, 0.05, (mask == 2).sum())  # tissue-like
     r = M.mask_fidelity(no_lesion, image, mask)
     assert r["lesion_dice"] < 0.3 and r["contrast_ratio"] < 0.8
     assert r["mean_error/2"] < -0.2 and abs(r["mean_error/0"]) < 1e-6
     assert r["head_dice"] > 0.95  # the head is still right
+
+
+def test_lesion_dice_is_not_fooled_by_the_skull_rim_but_catches_a_faint_lesion(case):
+    image, mask = case
+    faint = image.copy()
+    faint[mask == 2] = 0.8  # still brighter than the tissue (0.5) and the rim (0.75): still a lesion
+    assert M.mask_fidelity(faint, image, mask)["lesion_dice"] > 0.9
+    gone = image.copy()
+    gone[mask == 2] = np.random.default_rng(5).normal(0.55, 0.05, (mask == 2).sum())
+    assert M.mask_fidelity(gone, image, mask)["lesion_dice"] < 0.5
 
 
 def test_diversity(case):
