@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -323,6 +324,11 @@ def read_volume(path: Path, max_bytes: int | None = DEFAULT_MAX_VOLUME_BYTES) ->
         raise DataError(f"{path}: {_diagnose(path)}") from None
     except nib.spatialimages.HeaderDataError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        code = re.fullmatch(r"data code (-?\d+) not supported", first)
+        if code:  # a datatype nibabel cannot decode (DT_BINARY, or a code outside the standard)
+            n = int(code.group(1))
+            label = nib.nifti1.data_type_codes.label[n] if n in nib.nifti1.data_type_codes.value_set() else "unknown"
+            raise DataError(f"{path}: datatype {label} (code {n}) is not supported (not a real integer or float type)") from None
         raise DataError(f"{path}: unsupported NIfTI header ({first})") from None
     except MemoryError:
         raise DataError(f"{path}: not enough memory to read it (lower max_volume_gb to refuse such files early)") from None

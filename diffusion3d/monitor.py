@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,23 @@ def montage(columns: list[torch.Tensor]) -> torch.Tensor:
     return rearrange(stacked, "n plane h w -> 1 (plane h) (n w)").clamp(0, 1)
 
 
+def _quiet_event_writer_failures() -> None:
+    """TensorBoard's writer thread re-raises a failed write, and Python prints that as a thread traceback.
+    The Monitor reports the same error as one line at its next call, so that traceback is silenced."""
+    hook = threading.excepthook
+    if getattr(hook, "_diffusion3d", False):
+        return
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    def excepthook(args) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+            return
+        hook(args)
+
+    excepthook._diffusion3d = True  # type: ignore[attr-defined]
+    threading.excepthook = excepthook
+
+
 class Monitor:
     """TensorBoard writer (rank 0 only) plus the progress bar. ``purge_step`` drops stale events on resume.
 
@@ -51,10 +69,12 @@ class Monitor:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.writer = None
         if log_dir is not None:
+            _quiet_event_writer_failures()
             try:
                 self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
             except OSError as e:
-                raise storage_error(log_dir, e, "TensorBoard events") from None
+                files = sorted(Path(log_dir).glob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime)
+                raise storage_error(files[-1] if files else log_dir, e, "TensorBoard events") from None
         self.bar = tqdm(total=total_steps, initial=start_step, desc="training", disable=quiet, dynamic_ncols=True)
 
     def event_file(self) -> Path | None:

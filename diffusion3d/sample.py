@@ -365,30 +365,32 @@ def run(argv: list[str] | None = None) -> list[Path]:
         lock = ckpt.lock_folder(args.out, "sampling run")
     except ckpt.FolderLockedError as e:
         raise InputError(str(e)) from None
-    batches = [jobs[i:i + args.batch_size] for i in range(0, len(jobs), args.batch_size)]
-    bar = tqdm(total=len(batches) * diffusion.evaluations(sampler, steps), desc=f"sampling ({sampler})",
-               unit="step", disable=args.quiet, dynamic_ncols=True)
-    grids: dict[str, MaskGrid] = {}
-    written = []
-    for batch in batches:
-        for job in batch:
-            if job.case not in grids:
-                grids[job.case] = MaskGrid(job.mask, cfg)
-        conds = torch.stack([grids[j.case].cond(cfg.data.labels) for j in batch]) if cfg.model.with_condition else None
-        seeds = [volume_seed(args.seed, j.case, j.index) for j in batch]
-        volumes = sample_volumes(model, diffusion, (cfg.image_channels, *cfg.data.image_size), conds, seeds, sampler,
-                                 steps, cfg.diffusion.ddim_eta, device, autocast, progress=lambda: bar.update(1),
-                                 guidance_scale=guidance)
-        for job, volume in zip(batch, volumes.clamp(-1, 1).float().cpu()):
-            grid = grids[job.case]
-            save_nifti(to_output_intensity(grid.invert(volume, fill=-1.0), cfg), grid.original_affine, job.path)
-            written.append(job.path)
-        done = {j.case for j in batch} - {j.case for j in jobs[len(written):]}
-        for case in done:  # masks are sampled in order: free each grid once its last volume is written
-            grids.pop(case, None)
-    bar.close()
-    lock.release()
-    return written
+    try:
+        batches = [jobs[i:i + args.batch_size] for i in range(0, len(jobs), args.batch_size)]
+        bar = tqdm(total=len(batches) * diffusion.evaluations(sampler, steps), desc=f"sampling ({sampler})",
+                   unit="step", disable=args.quiet, dynamic_ncols=True)
+        grids: dict[str, MaskGrid] = {}
+        written = []
+        for batch in batches:
+            for job in batch:
+                if job.case not in grids:
+                    grids[job.case] = MaskGrid(job.mask, cfg)
+            conds = torch.stack([grids[j.case].cond(cfg.data.labels) for j in batch]) if cfg.model.with_condition else None
+            seeds = [volume_seed(args.seed, j.case, j.index) for j in batch]
+            volumes = sample_volumes(model, diffusion, (cfg.image_channels, *cfg.data.image_size), conds, seeds, sampler,
+                                     steps, cfg.diffusion.ddim_eta, device, autocast, progress=lambda: bar.update(1),
+                                     guidance_scale=guidance)
+            for job, volume in zip(batch, volumes.clamp(-1, 1).float().cpu()):
+                grid = grids[job.case]
+                save_nifti(to_output_intensity(grid.invert(volume, fill=-1.0), cfg), grid.original_affine, job.path)
+                written.append(job.path)
+            done = {j.case for j in batch} - {j.case for j in jobs[len(written):]}
+            for case in done:  # masks are sampled in order: free each grid once its last volume is written
+                grids.pop(case, None)
+        bar.close()
+        return written
+    finally:
+        lock.release()
 
 
 def main(argv: list[str] | None = None) -> None:
