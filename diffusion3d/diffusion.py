@@ -72,6 +72,7 @@ class _Objective:
 
     seed: int
     cond_drop_prob: float
+    loss_type: str
     samplers: tuple[str, ...]
 
     def drop_flags(self, sample_ids: Sequence[int]) -> torch.Tensor:
@@ -87,6 +88,18 @@ class _Objective:
             return cond
         keep = (~self.drop_flags(sample_ids)).to(cond.device, cond.dtype)
         return cond * keep.view(-1, *([1] * (cond.dim() - 1)))
+
+    def regression_loss(self, model: Denoiser, x_t: torch.Tensor, net_t: torch.Tensor, cond: torch.Tensor | None,
+                        target: torch.Tensor, autocast: Callable[[], object] | None) -> torch.Tensor:
+        """Per-sample mean L1 / L2 between the model output and ``target``; autocast wraps the model alone."""
+        if autocast is None:
+            out = model(x_t, net_t, cond)
+        else:
+            with autocast():
+                out = model(x_t, net_t, cond)
+        diff = out.float() - target
+        per_voxel = diff.abs() if self.loss_type == "l1" else diff.square()
+        return per_voxel.flatten(1).mean(1)
 
     def check_sampler(self, sampler: str) -> None:
         if sampler not in self.samplers:
@@ -215,16 +228,8 @@ class GaussianDiffusion(_Objective):
         t, noise = self.draw(sample_ids, x0.shape[1:])
         t = t.to(x0.device, non_blocking=True)
         noise = noise.to(x0.device, non_blocking=True)
-        cond = self.training_cond(cond, sample_ids)
         x_t = self.q_sample(x0, t, noise)
-        if autocast is None:
-            out = model(x_t, t, cond)
-        else:
-            with autocast():
-                out = model(x_t, t, cond)
-        diff = out.float() - self.target(x0.float(), t, noise)
-        per_voxel = diff.abs() if self.loss_type == "l1" else diff.square()
-        loss = per_voxel.flatten(1).mean(1)
+        loss = self.regression_loss(model, x_t, t, self.training_cond(cond, sample_ids), self.target(x0.float(), t, noise), autocast)
         if self.min_snr_gamma is not None:
             snr = self.snr.to(x0.device)[t]
             clipped = snr.clamp(max=self.min_snr_gamma)
@@ -431,16 +436,9 @@ class RectifiedFlow(_Objective):
         t, noise = self.draw(sample_ids, x0.shape[1:])
         t = t.to(x0.device, non_blocking=True)
         noise = noise.to(x0.device, non_blocking=True)
-        cond = self.training_cond(cond, sample_ids)
         x_t = self.q_sample(x0, t, noise)
-        if autocast is None:
-            out = model(x_t, t * FLOW_TIME_SCALE, cond)
-        else:
-            with autocast():
-                out = model(x_t, t * FLOW_TIME_SCALE, cond)
-        diff = out.float() - (noise.float() - x0.float())
-        per_voxel = diff.abs() if self.loss_type == "l1" else diff.square()
-        return per_voxel.flatten(1).mean(1)
+        target = noise.float() - x0.float()
+        return self.regression_loss(model, x_t, t * FLOW_TIME_SCALE, self.training_cond(cond, sample_ids), target, autocast)
 
     # ---- sampling ---------------------------------------------------------------------------------
     def time_grid(self, steps: int) -> list[float]:
