@@ -343,6 +343,22 @@ def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
             "cache_build_s": build, "batch_size": cfg.train.batch_size, "cases": len(cases)}
 
 
+def measure_startup(cfg, workers: int) -> dict[str, Any]:
+    """Start-up before the first step: discovery + validation (every file decoded and checked, in ``workers``
+    processes) and the memory cache build (decode + transforms, ``max(workers, 1)`` threads), in seconds."""
+    from .data import validate
+
+    cfg.data.num_workers = workers
+    start = time.perf_counter()
+    cases = discover(cfg)
+    validate(cases, cfg, workers=workers)
+    validated = time.perf_counter()
+    build_dataset(cases, cfg, None)
+    built = time.perf_counter()
+    return {"cases": len(cases), "workers": workers, "validate_s": validated - start, "cache_build_s": built - validated,
+            "startup_s": built - start}
+
+
 # ---- the command line ------------------------------------------------------------------------------
 def _int_list(text: str, name: str) -> list[int]:
     try:
@@ -395,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling_sizes", default=None, help="sizes for sampling (default: the smallest of --sizes)")
     p.add_argument("--sampling_repeats", type=int, default=1, help="timed sampling runs per figure")
     p.add_argument("--loader_sizes", default=None, help="sizes for the loader (default: --sizes)")
+    p.add_argument("--startup_cases", type=int, default=100, help="--parts startup: synthetic cases (default 100)")
+    p.add_argument("--startup_size", type=int, default=128, help="--parts startup: their size (cube, default 128)")
+    p.add_argument("--startup_workers", default="1,2", help="--parts startup: validation processes to compare (1: in this process; default 1,2)")
     p.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
                    help="each training configuration in a fresh process (auto: on for CPU, where RSS is the memory measure)")
     p.add_argument("--no_estimate", action="store_true", help="skip the allocator-free step-memory measurement")
@@ -429,8 +448,8 @@ def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
         if s not in SAMPLERS:
             raise BenchError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(SAMPLERS)} or none)")
     parts = {p.strip() for p in args.parts.split(",") if p.strip()} | ({"loader"} if args.loader else set())
-    if parts - {"train", "sampling", "loader"}:
-        raise BenchError(f"--parts: unknown part(s) {', '.join(sorted(parts - {'train', 'sampling', 'loader'}))}")
+    if parts - {"train", "sampling", "loader", "startup"}:
+        raise BenchError(f"--parts: unknown part(s) {', '.join(sorted(parts - {'train', 'sampling', 'loader', 'startup'}))}")
     if args.json:
         folder = Path(args.json).resolve().parent
         if not folder.is_dir():
@@ -516,6 +535,13 @@ def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = la
                     progress(f"loader {size}³ cache={cache}")
                     r = measure_loader(cfg, args.warmup, max(args.repeats, 2))
                     report["loader"].append({"size": size, **r})
+        if "startup" in plan["parts"]:  # validation + cache of --startup_cases synthetic cases at --startup_size³
+            size = args.startup_size
+            folders = write_synthetic_cases(work / "startup", size, args.startup_cases, base.data.labels, base.image_channels)
+            for workers in _int_list(args.startup_workers, "startup_workers"):
+                progress(f"start-up {args.startup_cases} cases at {size}³, {workers} workers")
+                r = measure_startup(bench_config(base, size, folders), workers)
+                report.setdefault("startup", []).append({"size": size, **r})
     report["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return report
 
@@ -547,6 +573,12 @@ def format_tables(report: dict[str, Any]) -> str:
         for r in report["loader"]:
             lines.append(f"{r['size']:>5} {'yes' if r['cached'] else 'no':>6} {r['batch_size']:>3} {r['s_per_batch']:>9.4f} "
                          f"{r['cache_build_s'] if r['cached'] else 0:>14.2f}")
+    if report.get("startup"):
+        lines += ["", "start-up (discovery + validation, then the memory cache build)",
+                  f"{'size':>5} {'cases':>6} {'workers':>7} {'validate s':>11} {'cache s':>8} {'total s':>8}"]
+        for r in report["startup"]:
+            lines.append(f"{r['size']:>5} {r['cases']:>6} {r['workers']:>7} {r['validate_s']:>11.2f} "
+                         f"{r['cache_build_s']:>8.2f} {r['startup_s']:>8.2f}")
     return "\n".join(lines)
 
 
