@@ -78,6 +78,11 @@ def sharpness(volume: np.ndarray, region: np.ndarray) -> float:
     return float(magnitude[region].mean()) if region.any() else float("nan")
 
 
+def _ratio(num: float, den: float) -> float:
+    """num / den, NaN where undefined (a zero or NaN denominator: an all-black sample, a flat truth)."""
+    return float(num / den) if math.isfinite(num) and math.isfinite(den) and den != 0 else float("nan")
+
+
 def _mean(volume: np.ndarray, where: np.ndarray) -> float:
     return float(volume[where].mean()) if where.any() else float("nan")
 
@@ -126,9 +131,9 @@ def mask_fidelity(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, label
     inner = erode(head, rim)
     out["lesion_dice"] = _lesion_dice(sample, inner, lesion, brighter)
     out["truth_lesion_dice"] = _lesion_dice(truth, inner, lesion, brighter)
-    out["contrast"] = _mean(sample, lesion) / _mean(sample, rest) if lesion.any() and rest.any() else float("nan")
-    out["contrast_truth"] = _mean(truth, lesion) / _mean(truth, rest) if lesion.any() and rest.any() else float("nan")
-    out["contrast_ratio"] = out["contrast"] / out["contrast_truth"]
+    out["contrast"] = _ratio(_mean(sample, lesion), _mean(sample, rest))
+    out["contrast_truth"] = _ratio(_mean(truth, lesion), _mean(truth, rest))
+    out["contrast_ratio"] = _ratio(out["contrast"], out["contrast_truth"])
     return out
 
 
@@ -148,7 +153,7 @@ def realism(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray) -> dict[str
     return {
         "ssim": ssim(sample, truth),
         "psnr": float(PSNRMetric(max_val=1.0)(_tensor(sample), _tensor(truth)).item()),
-        "sharpness_ratio": sharpness(sample, head) / sharpness(truth, head),
+        "sharpness_ratio": _ratio(sharpness(sample, head), sharpness(truth, head)),
     }
 
 

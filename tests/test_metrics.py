@@ -107,3 +107,13 @@ def test_bad_shapes_raise(case):
     image, mask = case
     with pytest.raises(ValueError, match="one shape"):
         M.score_sample(image[:10], image, mask)
+
+
+def test_an_all_black_sample_or_a_flat_truth_scores_nan_not_an_exception(case):
+    """A model early in training (or diverged, then clipped) can write an all-zero volume: no ZeroDivisionError."""
+    image, mask = case
+    r = M.score_sample(np.zeros_like(image), image, mask)
+    assert math.isnan(r["contrast"]) and math.isnan(r["contrast_ratio"]) and r["sharpness_ratio"] == 0.0
+    assert r["mean_error/1"] < -0.2 and r["head_dice"] == 0.0  # the rest is still scored
+    flat = M.score_sample(image, np.zeros_like(image), mask)
+    assert math.isnan(flat["sharpness_ratio"]) and math.isnan(flat["contrast_truth"]) and math.isnan(flat["contrast_ratio"])
