@@ -11,7 +11,8 @@ Two sets, each written afresh with its own seeds (the test masks are never train
 At every ``eval_every`` optimizer steps (and at the end) the EMA model samples every test mask
 ``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance]``) and the samples are
 scored against the truth by ``diffusion3d.metrics`` (per-label mean error, Otsu Dice of head and lesion,
-contrast ratio, SSIM, PSNR, sharpness ratio, diversity). Seconds are those of the training steps alone
+contrast ratio, SSIM, PSNR, sharpness ratio, diversity). NFE counts network evaluations per sample: a guided
+call evaluates the condition and the null condition, so it counts twice. Seconds are those of the training steps alone
 (wall clock and process CPU time), so a row reads "after this much training, samples are this good".
 
 Command line (``python -m diffusion3d.quality --help``; also ``python -m diffusion3d.bench --parts quality``)::
@@ -269,7 +270,9 @@ def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCa
             for j in range(samples_per_mask):
                 save_nifti(unit[c * samples_per_mask + j][None], affine, save_dir / f"{case.name}_sample{j}.nii.gz")
     scores = score_samples(unit, cases, labels)
-    scores["evaluations"] = diffusion.evaluations(spec.sampler, spec.steps)
+    guidance = cfg.diffusion.guidance_scale if spec.guidance is None else spec.guidance
+    guided = cfg.model.with_condition and guidance != 1.0  # cond and null: two network evaluations per call
+    scores["evaluations"] = diffusion.evaluations(spec.sampler, spec.steps) * (2 if guided else 1)
     scores["sampling_s_per_volume"] = seconds / len(seeds)
     return scores
 

@@ -219,10 +219,13 @@ def test_module_entry_point_one_line_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_flow_checkpoint_samples_with_guidance_and_reproduces_validation(tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_flow_checkpoint_samples_with_guidance_and_reproduces_validation(tmp_path, capsys, precision):
     """A rectified-flow run trained with condition dropout: the command samples it with heun and guidance,
-    its default reproduces the run's own validation sample bitwise, and a Gaussian sampler is refused."""
-    cfg = tiny_config(tmp_path, prediction="flow", sampler="heun", sampling_steps=2, loss="l2", cond_drop_prob=0.3,
+    its default reproduces the run's own validation sample bitwise — also for a bf16 CPU run, whose
+    validation sampled under bf16 autocast (the command used to drop it off CUDA) — and a Gaussian sampler
+    is refused."""
+    cfg = tiny_config(tmp_path, precision=precision, prediction="flow", sampler="heun", sampling_steps=2, loss="l2", cond_drop_prob=0.3,
                       guidance_scale=1.5, train_num_steps=2, save_every=2, sample_every=2, num_val_cases=1)
     train, val = split_cases(discover(cfg), cfg.data.num_val_cases)
     results = tmp_path / "run"
