@@ -155,7 +155,7 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
             os.close(dir_fd)
     except OSError as e:
         raise storage_error(path, e, "checkpoint") from None
-    except RuntimeError as e:
+    except RuntimeError:
         if tracked is not None and tracked.error is not None:
             raise storage_error(path, tracked.error, "checkpoint") from None
         raise

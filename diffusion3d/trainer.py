@@ -226,7 +226,7 @@ class Trainer:
         elif self.step % t.ema_update_every == 0:
             updates = (self.step - t.ema_start_step) // t.ema_update_every - 1
             decay = ema_decay_at(updates, t.ema_decay, t.ema_warmup)
-            pairs = [(e, p) for e, p in zip(self.ema.module.state_dict().values(), self.model.state_dict().values())]
+            pairs = list(zip(self.ema.module.state_dict().values(), self.model.state_dict().values()))
             floats = [(e, p) for e, p in pairs if e.is_floating_point()]
             torch._foreach_lerp_([e for e, _ in floats], [p for _, p in floats], 1.0 - decay)  # as AveragedModel's EMA
             for e, p in pairs:
