@@ -1,5 +1,6 @@
-"""Checkpoints: atomic save, newest-valid discovery, retention, the resume compatibility check, the folder
-lock (one writer per results folder) and storage errors (ENOSPC, EIO, read-only) as one-line faults."""
+"""Checkpoints: atomic save, finding the newest valid one (in a run or its checkpoints folder), retention,
+the resume compatibility check, the folder lock (one writer per results folder) and storage errors
+(ENOSPC, EIO, read-only) as one-line faults."""
 
 from __future__ import annotations
 
@@ -314,6 +315,21 @@ def load_latest_valid(folder: Path) -> tuple[Path, dict[str, Any]] | None:
         except CheckpointError as e:
             log.warning("skipping %s", e)
     return None
+
+
+def find_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint file, or a run folder or its ``checkpoints/`` folder: its newest valid checkpoint.
+
+    The one lookup behind ``sample --checkpoint`` and ``train --resume PATH``; CheckpointError names the
+    file or folder."""
+    path = Path(path)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found = load_latest_valid(folder)
+        if found is None:
+            raise CheckpointError(f"{folder}: no valid checkpoint (step_*.pt) in this folder")
+        return found
+    return path, load(path)
 
 
 def apply_retention(folder: Path, keep_last: int, milestone_every: int, protect: Path | None = None) -> list[Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
 import threading
@@ -17,10 +18,24 @@ from tqdm.auto import tqdm
 from .checkpoint import storage_error
 
 
-def peak_rss_gb() -> float:
-    """This process's peak resident memory (Linux reports kB, macOS bytes)."""
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory in bytes (getrusage: Linux reports kB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024**3 if sys.platform == "darwin" else 1024**2)
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory in GiB."""
+    return peak_rss_bytes() / 2**30
+
+
+def current_rss_bytes() -> int:
+    """Resident memory now (Linux /proc/self/statm); 0 where unknown."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def mid_slices(volume: torch.Tensor) -> torch.Tensor:

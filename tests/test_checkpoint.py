@@ -115,6 +115,30 @@ def assert_tensorboard_steps_unique(tb: Path, last: int) -> None:
     assert steps == list(range(1, last + 1)), steps
 
 
+def test_find_checkpoint_takes_a_file_a_run_or_its_checkpoints_folder(tmp_path):
+    """One lookup for sample --checkpoint and train --resume: a file as given, a folder's newest valid one."""
+    cfg = tiny_config(tmp_path, train_num_steps=2)
+    run = tmp_path / "run"
+    trainer = build_trainer(cfg, discover(cfg), "cpu", run)
+    trainer.train_step()
+    first = trainer.save_checkpoint()
+    trainer.train_step()
+    newest = trainer.save_checkpoint()
+    for where in (run, run / "checkpoints"):
+        path, state = ckpt.find_checkpoint(where)
+        assert path == newest and state["step"] == 2
+    assert ckpt.find_checkpoint(first)[1]["step"] == 1
+    newest.write_bytes(b"not a checkpoint")
+    assert ckpt.find_checkpoint(run)[0] == first  # the newest *valid* one
+    with pytest.raises(ckpt.CheckpointError, match="unreadable checkpoint"):
+        ckpt.find_checkpoint(newest)  # a file named explicitly is never replaced by another
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=r"empty: no valid checkpoint \(step_\*\.pt\) in this folder"):
+        ckpt.find_checkpoint(tmp_path / "empty")
+    with pytest.raises(ckpt.CheckpointError, match="nope.pt: checkpoint not found"):
+        ckpt.find_checkpoint(tmp_path / "nope.pt")
+
+
 def test_truncated_newest_checkpoint_is_skipped(tmp_path, caplog):
     cfg = tiny_config(tmp_path, train_num_steps=2)
     trainer = build_trainer(cfg, discover(cfg), "cpu", tmp_path / "run")
