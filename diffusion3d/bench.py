@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,15 +37,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import config as C
+from . import configs
+from ._cli import InputError, OneLineParser, configure_logging, run_command
 from .data import SampleStream, build_dataset, discover, make_loader
 from .diffusion import make_diffusion
 from .memory import autocast_factory, forward_backward, step_memory, synthetic_batch
 from .model import build_model, count_parameters
+from .monitor import current_rss_bytes, peak_rss_bytes
 from .distributed import resolve_device
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SAMPLERS = ("ddpm", "ddim", "dpmpp2m")
 DEFAULT_SAMPLING_STEPS = {"ddpm": 0, "ddim": 50, "dpmpp2m": 20}  # 0: all training timesteps
 
@@ -67,10 +68,6 @@ PEAK_TFLOPS: list[tuple[str, float]] = [
 ]
 
 
-class BenchError(ValueError):
-    """Bad benchmark input; printed as one line ``error: ...`` with exit code 2."""
-
-
 # ---- small helpers ---------------------------------------------------------------------------------
 def peak_tflops(device_name: str) -> float | None:
     for key, value in PEAK_TFLOPS:
@@ -81,20 +78,6 @@ def peak_tflops(device_name: str) -> float | None:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
-
-
-def current_rss_bytes() -> int:
-    """Resident memory now (Linux /proc/self/statm); 0 where unknown."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def supported_precisions(device: torch.device) -> list[str]:
@@ -182,7 +165,7 @@ def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], preci
     try:
         C.validate(cfg)
     except C.ConfigError as e:
-        raise BenchError(f"size {size}: {e}") from None
+        raise InputError(f"size {size}: {e}") from None
     return cfg
 
 
@@ -364,9 +347,9 @@ def _int_list(text: str, name: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise BenchError(f"--{name}: expected comma-separated integers, got {text!r}") from None
+        raise InputError(f"--{name}: expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise BenchError(f"--{name}: expected positive integers, got {text!r}")
+        raise InputError(f"--{name}: expected positive integers, got {text!r}")
     return values
 
 
@@ -377,22 +360,18 @@ def _sampling_steps(text: str | None) -> dict[str, int]:
             continue
         name, _, value = part.partition("=")
         if name not in SAMPLERS or not value:
-            raise BenchError(f"--sampling_steps: expected sampler=steps (samplers {', '.join(SAMPLERS)}), got {part!r}")
+            raise InputError(f"--sampling_steps: expected sampler=steps (samplers {', '.join(SAMPLERS)}), got {part!r}")
         try:
             steps[name] = 0 if value == "all" else int(value)
         except ValueError:
-            raise BenchError(f"--sampling_steps: {part!r}: steps must be an integer or 'all'") from None
+            raise InputError(f"--sampling_steps: {part!r}: steps must be an integer or 'all'") from None
     return steps
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, through main's handler
-        raise BenchError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m diffusion3d.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None, help="YAML config whose model/diffusion to measure (default: configs/default.yaml)")
+    p = OneLineParser(prog="python -m diffusion3d.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None,
+                   help="YAML config whose model/diffusion to measure: a path or a bundled config's name (default: default)")
     p.add_argument("--sizes", default="32,64,128", help="grid sizes (cubes) for training, comma-separated")
     p.add_argument("--precisions", default="auto", help="auto (all the device supports) or e.g. fp32,bf16")
     p.add_argument("--batch_size", default=None, help="micro-batch size(s), comma-separated (default: the config's)")
@@ -429,40 +408,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
     """Check every input before anything runs; returns the resolved plan."""
-    try:
-        base = C.load(args.config or DEFAULT_CONFIG)
-        C.validate(base)
-    except C.ConfigError as e:
-        raise BenchError(str(e)) from None
+    base = C.load(configs.find(args.config))  # a ConfigError is bad input: one line, exit 2
+    C.validate(base)
     try:
         device = resolve_device(args.device)
     except (ValueError, RuntimeError) as e:
-        raise BenchError(f"--device: {e}") from None
+        raise InputError(f"--device: {e}") from None
     supported = supported_precisions(device)
     precisions = supported if args.precisions == "auto" else [p.strip() for p in args.precisions.split(",") if p.strip()]
     for p in precisions:
         if p not in supported:
-            raise BenchError(f"--precisions: {p} is not supported on {device.type} (supported: {', '.join(supported)})")
+            raise InputError(f"--precisions: {p} is not supported on {device.type} (supported: {', '.join(supported)})")
     samplers = [] if args.sampling == "none" else [s.strip() for s in args.sampling.split(",") if s.strip()]
     for s in samplers:
         if s not in SAMPLERS:
-            raise BenchError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(SAMPLERS)} or none)")
+            raise InputError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(SAMPLERS)} or none)")
     parts = {p.strip() for p in args.parts.split(",") if p.strip()} | ({"loader"} if args.loader else set())
     if parts - {"train", "sampling", "loader", "startup"}:
-        raise BenchError(f"--parts: unknown part(s) {', '.join(sorted(parts - {'train', 'sampling', 'loader', 'startup'}))}")
+        raise InputError(f"--parts: unknown part(s) {', '.join(sorted(parts - {'train', 'sampling', 'loader', 'startup'}))}")
     if args.json:
         folder = Path(args.json).resolve().parent
         if not folder.is_dir():
-            raise BenchError(f"{args.json}: folder {folder} does not exist")
+            raise InputError(f"{args.json}: folder {folder} does not exist")
     if args.quick:
         args.repeats, args.warmup = 1, 1
         args.sampling_max_steps = args.sampling_max_steps or 4
     if args.threads is not None:
         if args.threads < 1:
-            raise BenchError(f"--threads: must be at least 1, got {args.threads}")
+            raise InputError(f"--threads: must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.repeats < 1 or args.warmup < 0:
-        raise BenchError("--repeats must be at least 1 and --warmup at least 0")
+        raise InputError("--repeats must be at least 1 and --warmup at least 0")
     sizes = _int_list(args.sizes, "sizes")
     return {
         "base": base,
@@ -487,7 +463,7 @@ def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = la
     report: dict[str, Any] = {
         "machine": machine_info(device),
         "settings": {
-            "config": str(args.config or DEFAULT_CONFIG), "channels": base.model.channels,
+            "config": str(configs.find(args.config)), "channels": base.model.channels,
             "attention_levels": base.model.attention_levels, "repeats": args.repeats, "warmup": args.warmup,
             "quick": args.quick, "isolated": plan["isolate"], "sampling_max_steps": args.sampling_max_steps,
         },
@@ -603,15 +579,16 @@ def main(argv: list[str] | None = None) -> int:
         from . import quality
 
         return quality.main(rest, prog="python -m diffusion3d.bench --parts quality")
-    try:
-        args = build_parser().parse_args(argv)
-        if args._worker:
-            return _worker(args._worker)
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-        report = run_benchmark(args, lambda s: print(f"... {s}", file=sys.stderr, flush=True))
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = build_parser().parse_args(argv)
+    if args._worker:
+        return _worker(args._worker)
+    configure_logging(logging.WARNING)
+    return run_command(lambda: benchmark(args))
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    """Measure, print the tables and (with --json) write the report."""
+    report = run_benchmark(args, lambda s: print(f"... {s}", file=sys.stderr, flush=True))
     print(format_tables(report), flush=True)
     if args.json:
         path = Path(args.json)

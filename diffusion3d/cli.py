@@ -1,13 +1,14 @@
 """The training command line: parse, check everything, build, ``Trainer(...).train()``.
 
-Only this layer prints and picks exit codes: 2 for bad input (config, flags, data, checkpoints, a
-results folder another run holds), 1 for a fault (a run stopped by non-finite losses; storage: no space,
-I/O error, read-only folder), 130 for a second Ctrl-C.
+Only this layer prints and picks exit codes (``_cli.run_command``): 2 for bad input (config, flags, data,
+checkpoints, a results folder another run holds), 1 for a fault (a run stopped by non-finite losses;
+storage: no space, I/O error, read-only folder), 130 for a second Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 import signal
@@ -16,16 +17,13 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from . import config as C
-from . import distributed
-from .data import DataError, DataProblems, build_dataset, discover, format_summary, split_cases, validate
+from . import configs, distributed
+from ._cli import BAD_INPUT, InputError, configure_logging, run_command
+from .data import build_dataset, discover, format_summary, split_cases, validate
 from .trainer import NonFiniteError, Trainer, resolve_precision
 
 log = logging.getLogger("diffusion3d")
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-
-
-class InputError(Exception):
-    """Bad input found by the command line; printed as one line, exit code 2."""
+DEFAULT_CONFIG = configs.DEFAULT  # inside the package: found by a wheel install too
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +63,20 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return cfg
 
 
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, C.Config]:
+    """The flags and the resolved config; a bad flag or config exits 2 from the parser."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.config = configs.find(args.config)  # a path or the name of a bundled config
+    except C.ConfigError as e:
+        parser.error(str(e))
+    return args, resolve_config(args, parser)
+
+
 def select_checkpoint(cfg: C.Config, results: Path) -> tuple[Path, dict] | None:
-    """Apply --resume auto|none|PATH; raises InputError for what cannot be resumed."""
+    """Apply --resume auto|none|PATH (a file, or a run or checkpoints folder: its newest valid checkpoint);
+    raises InputError or CheckpointError for what cannot be resumed."""
     folder = results / "checkpoints"
     resume = cfg.train.resume
     existing = ckpt.list_checkpoints(folder)
@@ -80,10 +90,7 @@ def select_checkpoint(cfg: C.Config, results: Path) -> tuple[Path, dict] | None:
         if found is None and existing:
             raise InputError(f"{folder}: no valid checkpoint among {len(existing)} file(s)")
     else:
-        try:
-            found = Path(resume), ckpt.load(Path(resume))
-        except ckpt.CheckpointError as e:
-            raise InputError(str(e)) from None
+        found = ckpt.find_checkpoint(Path(resume))
     if found is None:
         return None
     path, state = found
@@ -135,9 +142,6 @@ def install_signal_handlers(trainer: Trainer) -> None:
     signal.signal(signal.SIGINT, request_stop)
 
 
-_held_locks: list[ckpt.FolderLock] = []  # the results folder's lock, held until run() returns
-
-
 def write_config(cfg: C.Config, path: Path) -> None:
     """The resolved config, written atomically (temp file, replace); StorageError on an OS failure."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -154,55 +158,44 @@ def write_config(cfg: C.Config, path: Path) -> None:
             pass
 
 
-def run(argv: list[str] | None = None) -> int:
-    try:
-        return _run(argv)
-    finally:
-        while _held_locks:
-            _held_locks.pop().release()
-
-
-def _run(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    cfg = resolve_config(args, parser)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    cases = discover(cfg)
-    summaries = validate(cases, cfg)
-    if args.check_data:
-        print(format_summary(summaries))
-        return 0
-
+def start_processes(cfg: C.Config) -> distributed.DistInfo:
+    """torchrun's processes (one without it), the precision the device allows, --batch_size auto."""
     try:
         dist = distributed.setup(cfg.train.device)  # torchrun's RANK/WORLD_SIZE; one process without them
     except ValueError as e:
         raise InputError(str(e)) from None
     if not dist.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # one rank narrates, every rank warns
-    device = dist.device
-    cfg.train.precision = resolve_precision(cfg.train.precision, device)
+    cfg.train.precision = resolve_precision(cfg.train.precision, dist.device)
     if cfg.train.batch_size == "auto":
-        plan_batch(cfg, device, dist)
-    results = C.results_dir(cfg)
-    # rank 0 alone decides what to resume (or why not) and prepares the folder; the others follow it
+        plan_batch(cfg, dist.device, dist)
+    return dist
+
+
+def claim_results(cfg: C.Config, results: Path, dist: distributed.DistInfo, held: contextlib.ExitStack) -> tuple[str | None, tuple[Path, dict] | None]:
+    """Rank 0 alone locks the results folder (``held`` until run() returns; the kernel drops it on death)
+    and decides what to resume, or why not; every rank follows that decision. Returns (checkpoint path,
+    (path, state) on rank 0)."""
     decision: tuple[str | None, str | None, int] = (None, None, 2)  # (checkpoint path, error, exit code)
     found = None
     if dist.is_main:
-        # one run per folder: rank 0 holds the lock until this process ends (the kernel drops it on death)
         try:
-            lock = ckpt.lock_folder(results, "run")
-            _held_locks.append(lock)
+            held.enter_context(ckpt.lock_folder(results, "run"))
             ckpt.remove_stale_temps(results / "checkpoints")  # a killed writer's; nobody else writes here now
             found = select_checkpoint(cfg, results)
             decision = (str(found[0]) if found else None, None, 2)
-        except (InputError, ckpt.FolderLockedError) as e:
+        except BAD_INPUT as e:
             decision = (None, str(e), 2)
         except ckpt.StorageError as e:
             decision = (None, str(e), 1)
     resume_path, error, code = distributed.broadcast_object(decision)
     if error is not None:
         raise (InputError if code == 2 else ckpt.StorageError)(error)
+    return resume_path, found
 
+
+def prepare_results(cfg: C.Config, results: Path, dist: distributed.DistInfo) -> None:
+    """Rank 0 prints the resolved config, clears the folder for --overwrite and writes config.yaml."""
     if dist.is_main:
         print(f"# diffusion3d resolved config ({results})\n{cfg.to_yaml()}", flush=True)
         if cfg.train.resume == "none" and cfg.train.overwrite:
@@ -211,20 +204,31 @@ def _run(argv: list[str] | None = None) -> int:
         write_config(cfg, results / "config.yaml")
     distributed.barrier()  # nobody reads results_dir (cache, checkpoint) before rank 0 has prepared it
 
-    trainer = build_trainer(cfg, cases, device, results, dist.rank, dist.world_size)
-    if resume_path is not None:
-        try:
-            state = found[1] if found is not None else ckpt.load(Path(resume_path))
-        except ckpt.CheckpointError as e:
-            raise InputError(f"{e} (rank {dist.rank}: every node must see results_dir, e.g. on a shared "
-                             "filesystem)") from None
-        trainer.load_state_dict(state)
-        log.info("resumed from %s at step %d (%d samples seen)", resume_path, trainer.step, trainer.stream.samples_seen)
+
+def resume(trainer: Trainer, resume_path: str | None, found: tuple[Path, dict] | None, dist: distributed.DistInfo) -> None:
+    """Load the chosen checkpoint: rank 0 has it already, the others read it from the shared folder."""
+    if resume_path is None:
+        return
+    try:
+        state = found[1] if found is not None else ckpt.load(Path(resume_path))
+    except ckpt.CheckpointError as e:
+        raise InputError(f"{e} (rank {dist.rank}: every node must see results_dir, e.g. on a shared "
+                         "filesystem)") from None
+    trainer.load_state_dict(state)
+    log.info("resumed from %s at step %d (%d samples seen)", resume_path, trainer.step, trainer.stream.samples_seen)
+
+
+def train(trainer: Trainer, dist: distributed.DistInfo) -> str:
+    """'finished' or 'interrupted' (SIGTERM/SIGINT: the step finished and a checkpoint saved)."""
+    cfg = trainer.cfg
     log.info("%d training cases, %d validation cases, device %s, precision %s, effective batch %d "
-             "(batch_size × accum × %d processes)", len(trainer.dataset), len(trainer.val_cases), device,
+             "(batch_size × accum × %d processes)", len(trainer.dataset), len(trainer.val_cases), dist.device,
              cfg.train.precision, cfg.effective_batch * dist.world_size, dist.world_size)
     install_signal_handlers(trainer)
-    status = trainer.train()
+    return trainer.train()
+
+
+def report(status: str, trainer: Trainer, results: Path, dist: distributed.DistInfo) -> int:
     if not dist.is_main:
         return 0
     if status == "interrupted":
@@ -235,29 +239,33 @@ def _run(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run(argv: list[str] | None = None) -> int:
+    """The command without its exit: 0, or an exception that main maps to one line and an exit code."""
+    with contextlib.ExitStack() as held:  # the results folder's lock, released when run() returns
+        return _run(argv, held)
+
+
+def _run(argv: list[str] | None, held: contextlib.ExitStack) -> int:
+    args, cfg = parse(argv)
+    configure_logging()
+    cases = discover(cfg)
+    summaries = validate(cases, cfg)
+    if args.check_data:
+        print(format_summary(summaries))
+        return 0
+    dist = start_processes(cfg)
+    results = C.results_dir(cfg)
+    resume_path, found = claim_results(cfg, results, dist, held)
+    prepare_results(cfg, results, dist)
+    trainer = build_trainer(cfg, cases, dist.device, results, dist.rank, dist.world_size)
+    resume(trainer, resume_path, found, dist)
+    return report(train(trainer, dist), trainer, results, dist)
+
+
 def main(argv: list[str] | None = None) -> None:
     # under torchrun, anything unexpected on one rank ends the whole job with that rank's traceback
     with distributed.fail_fast():
-        try:
-            code = run(argv)
-        except DataProblems as e:  # every bad file, one line each, then how many cases
-            for line in e.errors:
-                print(f"error: {line}", file=sys.stderr)
-            print(f"error: {e.summary}; nothing was written", file=sys.stderr)
-            code = 2
-        except (InputError, DataError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            code = 2
-        except (NonFiniteError, ckpt.StorageError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            code = 1
-        except OSError as e:  # a storage failure no library layer named: still one line, still a fault
-            where = f"{e.filename}: " if e.filename else ""
-            print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-            code = 1
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            code = 130
+        code = run_command(lambda: run(argv), faults=(NonFiniteError,))
     distributed.end_process(code)  # failures leave at once: a clean exit could wait on a stuck peer
 
 

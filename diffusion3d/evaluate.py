@@ -53,9 +53,9 @@ import torch
 from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
 from . import checkpoint as ckpt
+from ._cli import InputError, OneLineParser, configure_logging, run_command
 from .data import NIFTI_SUFFIXES, DataError, read_volume
 from .metrics import mask_fidelity, sharpness, ssim_window
-from .sample import InputError, OneLineParser
 
 log = logging.getLogger("diffusion3d.evaluate")  # not __name__: "__main__" under python -m
 SAMPLE_NAME = re.compile(r"^(?P<case>.+)_sample(?P<index>\d+)\.nii(\.gz)?$")
@@ -393,19 +393,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``diffusion3d-evaluate``): exit 0, or 2 with one line for bad input."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        result = run(argv)
-    except (InputError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (ckpt.StorageError, OSError) as e:  # no space, I/O error, read-only folder: a fault, exit 1
-        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
-        print(f"error: {where}{e}" if not where else f"error: {where}{e.strerror}", file=sys.stderr)
-        sys.exit(1)
-    s = result["summary"]
+def evaluate_and_report(argv: list[str] | None = None) -> int:
+    s = run(argv)["summary"]
 
     def fmt(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.4f}"
@@ -413,7 +402,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{s['n_samples']} samples of {s['n_cases']} masks: SSIM {fmt(s['ssim'])}, PSNR {fmt(s['psnr'])} dB"
           f"{' (+%d identical)' % s['psnr_infinite'] if s['psnr_infinite'] else ''}, MAE {fmt(s['mae'])}, "
           f"MS-SSIM among samples {fmt(s['ms_ssim'])}")
-    sys.exit(0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (``diffusion3d-evaluate``): exit 0; 2 with one line for bad input; 1 for a storage fault."""
+    configure_logging()
+    sys.exit(run_command(lambda: evaluate_and_report(argv)))
 
 
 if __name__ == "__main__":

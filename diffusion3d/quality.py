@@ -17,7 +17,7 @@ call evaluates the condition and the null condition, so it counts twice. Seconds
 
 Command line (``python -m diffusion3d.quality --help``; also ``python -m diffusion3d.bench --parts quality``)::
 
-    python -m diffusion3d.quality --config configs/default.yaml --sets phantom,realistic --steps 1000 \\
+    python -m diffusion3d.quality --config default --sets phantom,realistic --steps 1000 \\
         --eval_every 250 --sampling euler:10,heun:5 --set prediction=flow --set sampler=euler --out q.json
     python -m diffusion3d.quality --table q_eps.json q_flow.json        # one table from several runs
 """
@@ -43,18 +43,17 @@ import torch
 import torch.nn.functional as F
 
 from . import config as C
-from . import metrics
-from .data import DataError, build_dataset, discover, mask_to_cond, save_nifti
+from . import configs, metrics
+from ._cli import InputError, OneLineParser, configure_logging, run_command
+from .data import build_dataset, discover, mask_to_cond, save_nifti
 from .diffusion import make_diffusion
 from .phantoms import SPACING, make_case
 from .phantoms import save as save_phantom
-from .sample import OneLineParser, generate
+from .sample import generate
 from .trainer import Trainer
 
 log = logging.getLogger("diffusion3d.quality")
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = PACKAGE_ROOT / "configs" / "default.yaml"
-REAL_PAIR = PACKAGE_ROOT.parent / "shared" / "data" / "whole_head"
+REAL_PAIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "whole_head"  # beside a checkout
 SETS = ("phantom", "realistic")
 TABLE_KEYS = (  # column header, result key, format
     ("head", "head_dice", ".3f"), ("lesion", "lesion_dice", ".3f"), ("|Δμ|max", "abs_mean_error_max", ".3f"),
@@ -64,8 +63,7 @@ TABLE_KEYS = (  # column header, result key, format
 )
 
 
-class QualityError(ValueError):
-    """Bad benchmark input (a flag, a config key, a missing file); the message names it."""
+QualityError = InputError  # bad benchmark input (a flag, a config key, a missing file): one line, exit 2
 
 
 # ---- the data sets ---------------------------------------------------------------------------------
@@ -337,7 +335,8 @@ def machine() -> dict[str, Any]:
 def build_parser(prog: str = "python -m diffusion3d.quality") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="Time to quality: train a config on seeded synthetic sets and score "
                       "samples of unseen masks along the way (mask fidelity and realism against the truth).")
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the recipe to train (default: the demo's)")
+    p.add_argument("--config", default=None,
+                   help="the recipe to train: a path or a bundled config's name (default: default, the demo's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set prediction=flow --set sampler=euler")
     p.add_argument("--name", default=None, help="the run's name in the table (default: config name + overrides)")
@@ -364,10 +363,8 @@ def build_parser(prog: str = "python -m diffusion3d.quality") -> argparse.Argume
 def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        base = C.load(args.config)
-    except C.ConfigError as e:
-        raise QualityError(str(e)) from None
+    config = configs.find(args.config)
+    base = C.load(config)
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     for s in sets:
         if s not in SETS:
@@ -377,7 +374,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
             raise QualityError(f"--{flag}: must be at least 1")
     device = torch.device(args.device)
     name = args.name or " ".join([base.name, *args.overrides])
-    report: dict[str, Any] = {"name": name, "config": str(args.config), "overrides": args.overrides,
+    report: dict[str, Any] = {"name": name, "config": str(config), "overrides": args.overrides,
                               "machine": machine(), "rows": [], "skipped": {}}
     with tempfile.TemporaryDirectory(prefix="d3d_quality_") as tmp:
         work = Path(args.workdir) if args.workdir else Path(tmp)
@@ -418,28 +415,33 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m diffusion3d.quality") -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    args = build_parser(prog).parse_args(argv)
-    try:
-        if args.table:
-            rows = []
-            for path in args.table:
-                try:
-                    rows += json.loads(Path(path).read_text())["rows"]
-                except (OSError, ValueError, KeyError) as e:
-                    raise QualityError(f"{path}: not a quality report ({type(e).__name__}: {e})") from None
-            print(format_table(rows))
-            return 0
-        report = run(args, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    except (QualityError, DataError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def print_table(paths: Sequence[Path]) -> int:
+    """--table: one table from the rows of several reports."""
+    rows = []
+    for path in paths:
+        try:
+            rows += json.loads(Path(path).read_text())["rows"]
+        except (OSError, ValueError, KeyError) as e:
+            raise QualityError(f"{path}: not a quality report ({type(e).__name__}: {e})") from None
+    print(format_table(rows))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> int:
+    """Train and score, print the table and (with --out) write the report."""
+    report = run(args, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(report["rows"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(_json_safe(report), indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m diffusion3d.quality") -> int:
+    configure_logging(logging.WARNING)
+    args = build_parser(prog).parse_args(argv)
+    # a missing file named by a flag is bad input here, not a storage fault
+    return run_command(lambda: print_table(args.table) if args.table else measure(args), bad_input=(FileNotFoundError,))
 
 
 if __name__ == "__main__":

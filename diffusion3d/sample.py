@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from . import config as C
+from ._cli import InputError, OneLineParser, configure_logging, run_command
 from .data import (
     NIFTI_SUFFIXES,
     Case,
@@ -169,24 +170,12 @@ def write_samples(
 
 
 # ---- loading a checkpoint for sampling --------------------------------------------------------------
-def resolve_checkpoint(path: Path) -> tuple[Path, dict]:
-    """A checkpoint file, or a run / checkpoints folder (its newest valid checkpoint)."""
-    path = Path(path)
-    if path.is_dir():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found = ckpt.load_latest_valid(folder)
-        if found is None:
-            raise ckpt.CheckpointError(f"{folder}: no valid checkpoint (step_*.pt) in this folder")
-        return found
-    return path, ckpt.load(path)
-
-
 def load_for_sampling(path: Path, weights: str = "ema", device: torch.device | str = "cpu") -> tuple[torch.nn.Module, C.Config, dict]:
     """(model in eval mode on ``device``, the run's config, the checkpoint) from a checkpoint.
 
     ``weights``: ``ema`` (the AveragedModel's ``module.*`` entries) or ``model`` (the raw weights).
     """
-    path, state = resolve_checkpoint(path)
+    path, state = ckpt.find_checkpoint(path)
     try:
         cfg = C.from_dict(state["config"], str(path))
         C.validate(cfg)
@@ -232,18 +221,6 @@ def check_mask(path: Path, cfg) -> None:
 
 
 # ---- the command line -------------------------------------------------------------------------------
-class InputError(Exception):
-    """Bad input found by a command line; printed as one line, exit code 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line ``error: ...`` with exit code 2 (no usage block)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -393,20 +370,17 @@ def run(argv: list[str] | None = None) -> list[Path]:
         lock.release()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``diffusion3d-sample``): exit 0, or 2 with one line for bad input."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        written = run(argv)
-    except (InputError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except ckpt.StorageError as e:  # no space, I/O error, read-only folder: a fault, not bad input
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+def sample_and_report(argv: list[str] | None = None) -> int:
+    written = run(argv)
     if written:
         print(f"wrote {len(written)} sample(s) to {written[0].parent}")
-    sys.exit(0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (``diffusion3d-sample``): exit 0; 2 with one line for bad input; 1 for a storage fault."""
+    configure_logging()
+    sys.exit(run_command(lambda: sample_and_report(argv)))
 
 
 if __name__ == "__main__":

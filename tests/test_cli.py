@@ -1,16 +1,22 @@
-"""The command line end to end: the demo path, the override rules, bad flags."""
+"""The command line end to end: the demo path, the override rules, bad flags, bundled configs, and the\nhelper every command shares (one-line errors, exit codes)."""
 
 from __future__ import annotations
 
+import ast
+import errno
+import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import ROOT, make_dataset
-from diffusion3d import cli
+from diffusion3d import _cli, cli, configs
+from diffusion3d import checkpoint as ckpt
 from diffusion3d import config as C
+from diffusion3d.data import DataError, DataProblems
 
 
 def tiny_args(tmp_path, *extra):
@@ -105,3 +111,118 @@ def test_batch_size_auto_bad_values_exit_2(argv, message, capsys):
         cli.run(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ---- bundled configs -------------------------------------------------------------------------------------
+def test_config_by_bundled_name_or_path(tmp_path, capsys):
+    """--config takes a bundled config's name (with or without .yaml) or a path; the default ships inside
+    the package, so an install without the source tree finds it."""
+    assert cli.DEFAULT_CONFIG == configs.DEFAULT and configs.DEFAULT.parent == Path(cli.__file__).parent / "configs"
+    assert {"default", "whole_head_128"} <= set(configs.names())
+    args, cfg = cli.parse(["--config", "whole_head_128"])
+    assert cfg.name == "whole_head_128" and cfg.data.image_size == [128, 128, 128]
+    assert cli.parse(["--config", "whole_head_128.yaml"])[1].name == "whole_head_128"
+    assert cli.parse([])[1].name == "default"
+    mine = tmp_path / "whole_head_128"  # a file that exists wins over a bundled name
+    mine.write_text("train:\n  seed: 5\n")
+    assert configs.find(mine) == mine and configs.find(str(mine)) == mine
+    with pytest.raises(SystemExit) as exc:
+        cli.run(["--config", "no_such_recipe"])
+    assert exc.value.code == 2
+    assert "no_such_recipe: config file not found (bundled configs: default, whole_head_128)" in capsys.readouterr().err
+    with pytest.raises(C.ConfigError):
+        configs.find("configs/default.yaml")  # a path with folders is never taken for a bundled name
+
+
+def test_resume_from_a_run_folder(tmp_path, caplog):
+    """--resume takes a run folder as sample --checkpoint does (checkpoint.find_checkpoint): its newest
+    valid checkpoint."""
+    caplog.set_level(logging.INFO, logger="diffusion3d")
+    first = tiny_args(tmp_path, "--train_num_steps", "2", "--sample_every", "100")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(first)
+    assert exc.value.code == 0
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*first, "--results_dir", str(tmp_path / "more"), "--resume", str(tmp_path / "run"),
+                  "--train_num_steps", "3"])
+    assert exc.value.code == 0, caplog.text
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_00000002.pt'} at step 2" in caplog.text
+    assert [p.name for p in (tmp_path / "more" / "checkpoints").iterdir()] == ["step_00000003.pt"]
+
+
+# ---- the shared command-line helper ----------------------------------------------------------------------
+@pytest.mark.parametrize("error, code, line", [
+    (_cli.InputError("--n: expected a positive integer"), 2, "error: --n: expected a positive integer"),
+    (DataError("a.nii.gz: not a 3D volume"), 2, "error: a.nii.gz: not a 3D volume"),
+    (C.ConfigError("lr: expected a number"), 2, "error: lr: expected a number"),
+    (ckpt.CheckpointError("s.pt: unreadable checkpoint"), 2, "error: s.pt: unreadable checkpoint"),
+    (ckpt.FolderLockedError("out: in use by another run (pid 1)"), 2, "error: out: in use by another run (pid 1)"),
+    (ckpt.StorageError("s.pt: cannot write checkpoint: No space left on device (ENOSPC)"), 1,
+     "error: s.pt: cannot write checkpoint: No space left on device (ENOSPC)"),
+    (OSError(errno.EIO, "Input/output error", "/x/y"), 1, "error: /x/y: Input/output error"),
+    (OSError(errno.EIO, "Input/output error"), 1, "error: Input/output error"),
+    (KeyboardInterrupt(), 130, "interrupted"),
+])
+def test_run_command_maps_each_failure_to_one_line_and_its_exit_code(error, code, line, capsys):
+    def body():
+        raise error
+
+    assert _cli.run_command(body) == code
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_run_command_codes_extras_and_what_passes_through(capsys):
+    assert _cli.run_command(lambda: None) == 0 and _cli.run_command(lambda: 3) == 3
+
+    def problems():
+        raise DataProblems(["a.nii.gz: empty", "b.nii.gz: not NIfTI"], "2 of 5 cases are bad")
+
+    assert _cli.run_command(problems) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: a.nii.gz: empty", "error: b.nii.gz: not NIfTI",
+                                                    "error: 2 of 5 cases are bad; nothing was written"]
+
+    def missing():
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "q.json")
+
+    assert _cli.run_command(missing) == 1  # an OSError is a fault unless the command says otherwise
+    assert _cli.run_command(missing, bad_input=(FileNotFoundError,)) == 2
+
+    def diverged():
+        raise RuntimeError("loss is NaN")
+
+    assert _cli.run_command(diverged, faults=(RuntimeError,)) == 1
+    capsys.readouterr()
+    with pytest.raises(RuntimeError):  # anything else is a bug: it keeps its traceback
+        _cli.run_command(diverged)
+    with pytest.raises(SystemExit):  # the parser's exit and --help pass through
+        _cli.run_command(lambda: sys.exit(2))
+
+
+def test_one_line_parser_error(capsys):
+    parser = _cli.OneLineParser(prog="python -m diffusion3d.thing")
+    parser.add_argument("--n", type=int)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--n", "x"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: argument --n: invalid int value: 'x' (see python -m diffusion3d.thing --help)"]
+
+
+COMMANDS = {"cli", "sample", "evaluate", "bench", "quality", "_cli"}
+
+
+def test_commands_share_the_helper_and_the_library_does_not_import_it():
+    from diffusion3d import bench, evaluate, quality, sample
+
+    for module in (cli, sample, evaluate, bench, quality):
+        assert module.InputError is _cli.InputError, module.__name__
+    assert quality.QualityError is _cli.InputError
+    package = Path(cli.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package).with_suffix("").as_posix().replace("/", ".")
+        tree = ast.parse(path.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
+                    for alias in node.names} | {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level and node.module}
+        if "_cli" in imported:
+            assert name in COMMANDS, f"{path}: a library module imports the command-line helper"

@@ -25,4 +25,4 @@ def test_bad_recipe_combinations_are_refused(values, message):
 
 def test_shipped_configs_are_valid():
     for name in ("default", "whole_head_128"):
-        C.validate(C.load(ROOT / "configs" / f"{name}.yaml"))
+        C.validate(C.load(ROOT / "diffusion3d" / "configs" / f"{name}.yaml"))

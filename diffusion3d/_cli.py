@@ -1,0 +1,77 @@
+"""What every command shares: one-line errors and exit codes (train, sample, evaluate, bench, quality).
+
+The commands' side of the one-way imports: library modules raise exceptions that name the file and the
+reason and never import this; a command runs its body through ``run_command``, which prints what escapes
+as one line ``error: ...`` on stderr and picks the exit code:
+
+- 2, bad input: InputError (a command's own checks), bad data (every bad file on its own line, then the
+  count), a config, a checkpoint, or a folder another process holds; a bad flag exits 2 from the parser;
+- 1, a fault: storage (``checkpoint.StorageError``: no space, I/O error, read-only), any other OSError,
+  and what a command adds (training: non-finite losses);
+- 130, Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from .checkpoint import CheckpointError, FolderLockedError, StorageError
+from .config import ConfigError
+from .data import DataError, DataProblems
+
+ExceptionTypes = tuple[type[BaseException], ...]
+
+
+class InputError(Exception):
+    """Bad input found by a command line (a flag, a folder, a combination); one line, exit code 2."""
+
+
+BAD_INPUT: ExceptionTypes = (InputError, DataError, ConfigError, CheckpointError, FolderLockedError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line ``error: ...`` with exit code 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The commands' log format on stderr (stdout stays for results)."""
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def say(message: object) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def run_command(body: Callable[[], int | None], bad_input: ExceptionTypes = (), faults: ExceptionTypes = ()) -> int:
+    """Run a command's body and return its exit code (None counts as 0); map what escapes it to one line
+    on stderr and a code. ``bad_input`` / ``faults``: more exception types that mean exit 2 / exit 1.
+    SystemExit (the parser's exit 2, ``--help``) passes through; anything else unexpected raises, with
+    its traceback, because it is a bug."""
+    try:
+        code = body()
+    except DataProblems as e:  # every bad file, one line each, then how many cases
+        for line in e.errors:
+            say(line)
+        say(f"{e.summary}; nothing was written")
+        return 2
+    except (*BAD_INPUT, *bad_input) as e:
+        say(e)
+        return 2
+    except (StorageError, *faults) as e:
+        say(e)
+        return 1
+    except OSError as e:  # a storage failure no library layer named: still one line, still a fault
+        say(f"{e.filename}: {e.strerror or e}" if e.filename else e.strerror or e)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0 if code is None else code
