@@ -18,7 +18,8 @@ from . import checkpoint as ckpt
 from . import config as C
 from . import distributed
 from .data import DataError, DataProblems, build_dataset, discover, format_summary, split_cases, validate
-from .trainer import NonFiniteError, Trainer, resolve_precision
+from .precision import resolve_precision
+from .trainer import NonFiniteError, Trainer
 
 log = logging.getLogger("diffusion3d")
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
