@@ -6,11 +6,12 @@ synthetic NIfTI phantoms written to a temporary folder at each grid size (so no 
 Memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each configuration). On CPU the process
 peak RSS only grows, so each training configuration runs in a fresh subprocess (``--isolate``); its peak
 RSS and the growth over the RSS before the first step are reported. Independently of any allocator,
-``memory.step_memory`` reports the bytes one forward+backward keeps alive at its peak (``est_step_gb``).
+``memory.measure_step`` reports the bytes the measured Trainer's own micro-batches (forward+backward) keep
+alive at their peak (``est_step_gb``).
 
-FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` counts one micro-batch's forward+backward once
-(matmuls and convolutions; with activation checkpointing the recomputed forward is counted too, since the
-device executes it). Achieved TFLOP/s = FLOPs per optimizer step / median step time; on a GPU in
+FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` counts the Trainer's micro-batches of one step once
+(forward+backward: matmuls and convolutions; with activation checkpointing the recomputed forward is
+counted too, since the device executes it). Achieved TFLOP/s = FLOPs per optimizer step / median step time; on a GPU in
 ``PEAK_TFLOPS`` also its fraction of the dense bf16/fp16 tensor-core peak.
 """
 
@@ -41,15 +42,16 @@ from . import configs
 from ._cli import InputError, OneLineParser, configure_logging, run_command
 from .data import SampleStream, build_dataset, discover, make_loader
 from .diffusion import make_diffusion
-from .memory import autocast_factory, forward_backward, step_memory, synthetic_batch
-from .model import build_model, count_parameters
 from .monitor import current_rss_bytes, peak_rss_bytes
 from .distributed import resolve_device
+from .memory import SyntheticCases, measure_step
+from .model import build_model, count_parameters
+from .precision import autocast_factory
+from .sampling import ModelGridMask, generate
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
-SAMPLERS = ("ddpm", "ddim", "dpmpp2m")
-DEFAULT_SAMPLING_STEPS = {"ddpm": 0, "ddim": 50, "dpmpp2m": 20}  # 0: all training timesteps
+SAMPLERS = ("ddpm", "ddim", "dpmpp2m")  # their default steps: diffusion.SAMPLER_STEPS
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from NVIDIA's data sheets; the first name
 # found in torch.cuda.get_device_name() wins, so the more specific names come first.
@@ -170,16 +172,14 @@ def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], preci
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------------
-def count_train_flops(model: torch.nn.Module, cfg, device: torch.device | str = "cpu", batch: int = 1) -> int:
-    """FLOPs of one micro-batch's forward+backward (as counted by FlopCounterMode: convolutions, matmuls,
-    attention). Deterministic for a given model and shape; the optimizer step is not counted."""
-    device = torch.device(device)
-    diffusion = make_diffusion(cfg)
-    x0, cond = synthetic_batch(cfg, batch, device)
+def count_train_flops(trainer: Trainer) -> int:
+    """FLOPs of one optimizer step's micro-batches, forward and backward (``trainer.accumulate``), as
+    counted by FlopCounterMode: convolutions, matmuls, attention. Deterministic for a given model and
+    shape; the optimizer step is not counted. Takes one step's data from the trainer's stream."""
     counter = FlopCounterMode(display=False)
     with counter:
-        forward_backward(model, diffusion, x0, cond, autocast_factory(cfg.train.precision, device))
-    model.zero_grad(set_to_none=True)
+        trainer.accumulate()
+    trainer.model.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
 
 
@@ -215,7 +215,7 @@ def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estim
         out["peak_mem_gb"] = peak_rss_bytes() / 2**30
         out["rss_growth_gb"] = max(peak_rss_bytes() - rss_before, 0) / 2**30
         out["mem_kind"] = "process_peak_rss"
-    flops = count_train_flops(trainer.model, cfg, device, t.batch_size) * t.gradient_accumulate_every
+    flops = count_train_flops(trainer)
     out["flops_per_step"] = flops
     out["achieved_tflops"] = flops / out["s_per_step"] / 1e12
     if device.type == "cuda":
@@ -223,7 +223,7 @@ def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estim
         if peak is not None:
             out["peak_fraction"] = out["achieved_tflops"] / peak
     if estimate:
-        mem = step_memory(cfg, t.batch_size, device, trainer.model)
+        mem = measure_step(trainer)
         out["est_step_gb"] = mem.step_peak_bytes / 2**30
         out["est_total_gb"] = mem.total_bytes / 2**30
     return out
@@ -272,28 +272,30 @@ class _TimedModel(torch.nn.Module):
         return out
 
 
-def measure_sampling(cfg, device: torch.device, sampler: str, steps: int, max_steps: int | None,
+def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
                      repeats: int) -> dict[str, Any]:
-    """Seconds per volume (batch 1) for ``steps`` sampling steps; with ``max_steps`` < steps, that many
-    steps run and the time is scaled by steps / steps_run (each step is one model evaluation)."""
+    """Seconds per volume (batch 1) for ``steps`` sampling steps (None: the sampler's default, 0: every
+    training timestep); with ``max_steps`` < steps, that many steps run and the time is scaled by
+    steps / steps_run (each step is one model evaluation). Runs ``sampling.generate``, as the command does."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg).to(device).eval()
     diffusion = make_diffusion(cfg)
-    steps = steps or diffusion.timesteps
+    steps = diffusion.timesteps if steps == 0 else steps or diffusion.default_steps(sampler)
     run_steps = min(steps, max_steps) if max_steps else steps
-    _, cond = synthetic_batch(cfg, 1, device)
+    item = SyntheticCases(cfg, n=1, seed=cfg.train.seed)[0]
+    grid = ModelGridMask(item["mask"] if cfg.model.with_condition else torch.zeros(1, *cfg.data.image_size))
     shape = (1, cfg.image_channels, *cfg.data.image_size)
-    autocast = autocast_factory(cfg.train.precision, device)
+    cond = grid.cond(cfg.data.labels)[None].to(device) if cfg.model.with_condition else None
     timed = _TimedModel(model, device)
-    with torch.no_grad():  # warm-up: one evaluation
-        with autocast():
-            model(torch.randn(shape, device=device), torch.zeros(1, dtype=torch.long, device=device), cond)
+    with torch.no_grad(), autocast_factory(cfg.train.precision, device)():  # warm-up: one evaluation
+        model(torch.randn(shape, device=device), torch.zeros(1, dtype=torch.long, device=device), cond)
     totals = []
     for _ in range(max(repeats, 1)):
         timed.times.clear()
         sync(device)
         start = time.perf_counter()
-        diffusion.sample(timed, shape, cond, sampler, run_steps, device=device, autocast=autocast)
+        for _ in generate(timed, cfg, [grid], [cfg.train.seed], sampler=sampler, steps=run_steps, batch_size=1, device=device):
+            pass
         sync(device)
         totals.append(time.perf_counter() - start)
     measured = median(totals)
@@ -353,8 +355,8 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
-def _sampling_steps(text: str | None) -> dict[str, int]:
-    steps = dict(DEFAULT_SAMPLING_STEPS)
+def _sampling_steps(text: str | None) -> dict[str, int | None]:
+    steps: dict[str, int | None] = dict.fromkeys(SAMPLERS)  # None: the sampler's default (diffusion.SAMPLER_STEPS)
     for part in (text or "").split(","):
         if not part.strip():
             continue

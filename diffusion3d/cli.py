@@ -20,7 +20,8 @@ from . import config as C
 from . import configs, distributed
 from ._cli import BAD_INPUT, InputError, configure_logging, run_command
 from .data import build_dataset, discover, format_summary, split_cases, validate
-from .trainer import NonFiniteError, Trainer, resolve_precision
+from .precision import resolve_precision
+from .trainer import NonFiniteError, Trainer
 
 log = logging.getLogger("diffusion3d")
 DEFAULT_CONFIG = configs.DEFAULT  # inside the package: found by a wheel install too

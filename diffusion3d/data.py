@@ -30,7 +30,6 @@ from monai.data import CacheDataset, Dataset, MetaTensor, PersistentDataset
 from monai.transforms import (
     CastToTyped,
     Compose,
-    CopyItemsd,
     EnsureTyped,
     LoadImaged,
     Orientationd,
@@ -614,24 +613,30 @@ def mask_to_cond(mask: torch.Tensor, labels: Sequence[int]) -> torch.Tensor:
 
 # ---- the grid a sample is written back to ---------------------------------------------------------
 class MaskGrid:
-    """A mask brought to the model's grid, remembering how to map a volume back to the mask's own grid."""
+    """A mask brought to the model's grid, remembering how to map a volume back to the mask's own grid.
 
-    def __init__(self, path: str | Path, cfg) -> None:
+    The file is read once (``read_volume``: header checks, then the voxels), or not at all when the caller
+    read it already and passes ``voxels`` and ``affine`` (what read_volume returned). Of the transformed
+    float reference only its metadata is kept: the inverse needs the applied operations, not the voxels.
+    """
+
+    def __init__(self, path: str | Path, cfg, voxels: np.ndarray | None = None, affine: np.ndarray | None = None) -> None:
         self.path = Path(path)
         self.cfg = cfg
+        if voxels is None:
+            info, voxels = read_volume(self.path, max_volume_bytes(cfg))
+            affine = info.affine
+        self.original_shape = tuple(voxels.shape)
+        self.original_affine = np.asarray(affine, dtype=np.float64)
         keys, modes = ["mask", "ref"], ["nearest", "trilinear"]
         self.spatial = Compose(_spatial(cfg, keys, modes, [0.0, 0.0]))
-        loaded = LoadImaged(keys="mask", ensure_channel_first=True, image_only=True)({"mask": str(self.path)})
-        if loaded["mask"].ndim == 5 and loaded["mask"].shape[-1] == 1:
-            loaded["mask"] = loaded["mask"][..., 0]
-        if loaded["mask"].ndim != 4 or loaded["mask"].shape[0] != 1:
-            raise DataError(f"{self.path}: expected a 3D mask, got shape {tuple(loaded['mask'].shape[1:])}")
-        self.original_shape = tuple(loaded["mask"].shape[1:])
-        self.original_affine = np.asarray(nib.load(str(self.path)).affine)
-        d = CopyItemsd(keys="mask", names="ref")(loaded)
-        d = self.spatial(d)
+        # as LoadImaged(ensure_channel_first) builds it: float32, channel first, the file's affine
+        loaded = MetaTensor(torch.as_tensor(np.asarray(voxels, dtype=np.float32))[None],
+                            affine=torch.as_tensor(self.original_affine), meta={"filename_or_obj": str(self.path)})
+        d = self.spatial({"mask": loaded, "ref": loaded.clone()})
         self.mask = d["mask"].as_tensor().round().to(torch.uint8)  # [1, *image_size]
-        self._ref: MetaTensor = d["ref"]
+        self._ref_meta = dict(d["ref"].meta)
+        self._ref_ops = list(d["ref"].applied_operations)
 
     def cond(self, labels: Sequence[int]) -> torch.Tensor:
         return mask_to_cond(self.mask[None], labels)[0]
@@ -641,8 +646,8 @@ class MaskGrid:
 
         Padding introduced by the inverse (a crop undone) is filled with ``fill``.
         """
-        shifted = MetaTensor(volume.detach().cpu().float() - fill, meta=dict(self._ref.meta))
-        shifted.applied_operations = copy.deepcopy(self._ref.applied_operations)  # the inverse pops from them
+        shifted = MetaTensor(volume.detach().cpu().float() - fill, meta=dict(self._ref_meta))
+        shifted.applied_operations = copy.deepcopy(self._ref_ops)  # the inverse pops from them
         inverted = self.spatial.inverse({"ref": shifted})["ref"]
         out = np.asarray(inverted.detach().cpu().numpy()) + fill
         if tuple(out.shape[1:]) != self.original_shape:

@@ -43,6 +43,10 @@ SALT_SAMPLING = 3
 SALT_COND_DROP = 4
 GAUSSIAN_SAMPLERS = ("ddim", "ddpm", "dpmpp2m")
 FLOW_SAMPLERS = ("euler", "heun")
+SAMPLERS = GAUSSIAN_SAMPLERS + FLOW_SAMPLERS
+# The one table of default step counts: a sampler's steps when neither the caller nor a config names them
+# (the benchmark's defaults too). None: every training timestep (ddpm always defaults to all of them).
+SAMPLER_STEPS: dict[str, int | None] = {"ddim": 50, "ddpm": None, "dpmpp2m": 20, "euler": 25, "heun": 25}
 FLOW_TIME_SCALE = 1000.0  # flow time t in [0, 1] reaches the UNet's sinusoidal embedding as t * 1000
 
 
@@ -104,6 +108,15 @@ class _Objective:
     def check_sampler(self, sampler: str) -> None:
         if sampler not in self.samplers:
             raise ValueError(f"unknown sampler {sampler!r} for {type(self).__name__} (choose from {', '.join(self.samplers)})")
+
+    def default_steps(self, sampler: str, configured: int | None = None) -> int:
+        """The step count of ``sampler`` when the caller names none: ddpm runs every training timestep, the
+        others the configured number, else their entry in ``SAMPLER_STEPS``."""
+        self.check_sampler(sampler)
+        default = SAMPLER_STEPS[sampler]
+        if default is None:
+            return self.timesteps
+        return int(configured or default)
 
     @staticmethod
     def guided(model: Denoiser, guidance_scale: float,
@@ -262,17 +275,9 @@ class GaussianDiffusion(_Objective):
 
     def visited_timesteps(self, sampler: str, steps: int | None) -> list[int]:
         """The timesteps a sampler evaluates the model at (ddpm: all training steps unless told fewer)."""
-        if sampler == "ddpm":
-            return self.sampling_timesteps(steps or self.timesteps)
-        if sampler == "ddim":
-            return self.sampling_timesteps(steps or 50)
-        if sampler == "dpmpp2m":
-            return self.sampling_timesteps(steps or 50, "logsnr")
-        raise ValueError(f"unknown sampler {sampler!r}")
-
-    def default_steps(self, sampler: str, configured: int) -> int:
-        """ddpm runs every training step; the others the configured number."""
-        return self.timesteps if sampler == "ddpm" else configured
+        self.check_sampler(sampler)
+        steps = steps or self.default_steps(sampler)
+        return self.sampling_timesteps(steps, "logsnr" if sampler == "dpmpp2m" else "uniform")
 
     def evaluations(self, sampler: str, steps: int | None) -> int:
         """Model evaluations of one sampling run (each one batched over cond and null under guidance)."""
@@ -446,13 +451,10 @@ class RectifiedFlow(_Objective):
         steps = max(1, int(steps))
         return [float(shift_time(1 - i / steps, self.shift)) for i in range(steps + 1)]
 
-    def default_steps(self, sampler: str, configured: int) -> int:
-        return configured
-
     def evaluations(self, sampler: str, steps: int | None) -> int:
         """Euler: one per step; Heun: two per step except the last (Euler to t = 0)."""
         self.check_sampler(sampler)
-        steps = max(1, int(steps or 25))
+        steps = max(1, int(steps or self.default_steps(sampler)))
         return steps if sampler == "euler" else 2 * steps - 1
 
     def velocity(self, out: torch.Tensor, x_t: torch.Tensor, t: float) -> torch.Tensor:
@@ -486,7 +488,7 @@ class RectifiedFlow(_Objective):
         self.check_sampler(sampler)
         guided = self.guided(model, guidance_scale, autocast)
         x = self.noise_source(seeds, seed, device)(shape).float()
-        grid = self.time_grid(steps or 25)
+        grid = self.time_grid(steps or self.default_steps(sampler))
         bar = tqdm(total=self.evaluations(sampler, len(grid) - 1), desc=f"sampling ({sampler})", disable=not progress, leave=False)
 
         def v_at(x_t: torch.Tensor, t: float) -> torch.Tensor:

@@ -1,15 +1,20 @@
 """Memory planning: the largest micro-batch that fits, and the accumulation that keeps the effective batch.
 
-Two ways to decide whether a micro-batch fits:
+Both ways of deciding whether a micro-batch fits run the trainer's own step: a ``Trainer`` of the config
+(``synthetic_trainer``) fed seeded synthetic data of the configured shape, with ``PLAN_ACCUM`` micro-batches
+per step, so the gradients of one micro-batch are held while the next one's activations are (as in any
+run with accumulation; one without it needs less by at most the gradients' size).
 
-* CUDA: try it. One training step (forward, backward, optimizer step) at the configured grid, precision
-  and activation checkpointing; ``torch.cuda.OutOfMemoryError`` (or a peak over ``limit_bytes``) means no.
-  Batch sizes double until one fails, then a binary search finds the boundary.
-* Elsewhere (CPU): estimate. ``step_memory`` runs one forward+backward under a dispatch mode that follows
-  every tensor storage the step allocates until it is freed, so its peak of live bytes is the step's real
-  activation + gradient + temporary memory (checkpointing's recomputation and early frees included), with
-  no allocator or process RSS involved. It is measured at batch 1 and 2; activation memory is linear in the
-  batch, so ``fixed + per_sample · b`` plus the weights, EMA and AdamW state gives the estimate at any b.
+* CUDA: try it. One ``Trainer.train_step`` (micro-batches, unscale, clip, optimizer step, EMA) at the
+  configured grid, precision and activation checkpointing; ``torch.cuda.OutOfMemoryError`` (or a
+  ``max_memory_allocated`` peak over ``limit_bytes``) means no. Batch sizes double until one fails, then a
+  binary search finds the boundary.
+* Elsewhere (CPU): estimate. ``measure_step`` runs ``Trainer.accumulate`` under a dispatch mode that
+  follows every tensor storage the step allocates until it is freed, so its peak of live bytes is the
+  step's real batch + activation + gradient + temporary memory (checkpointing's recomputation and early
+  frees included), with no allocator or process RSS involved. It is measured at batch 1 and 2; activation
+  memory is linear in the batch, so ``fixed + per_sample · b`` plus the weights, EMA and AdamW state gives
+  the estimate at any b.
 
 ``plan_accumulation`` then splits the requested effective batch into batch_size × accum exactly; by the
 trainer's accumulation invariance (each micro-batch backpropagates loss.sum() / batch_size / accum) every
@@ -18,7 +23,7 @@ split is the same optimization.
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import logging
 import math
 import weakref
@@ -30,13 +35,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .diffusion import make_diffusion
-from .model import build_model
+from . import config as C
+from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 # the caching allocator, cuDNN workspaces and fragmentation sit on top of what tensors hold
 CPU_SAFETY_FRACTION = 0.9
+PLAN_ACCUM = 2  # micro-batches per planning step: the second runs while the first one's gradients are held
 
 
 class MemoryPlanError(ValueError):
@@ -123,39 +129,42 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
 
-def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """The trainer's autocast rule: fp16/bf16 wrap the model call, fp32 runs as is."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype)
+class SyntheticCases(torch.utils.data.Dataset):
+    """``n`` seeded training items of the configured shape, as the cache holds them: an image in [-1, 1] and
+    a label map of the configured labels. The planning Trainer's data, so no files are needed."""
+
+    def __init__(self, cfg, n: int = 2, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        size = tuple(cfg.data.image_size)
+        labels = torch.tensor([0, *cfg.data.labels], dtype=torch.uint8)
+        self.items = []
+        for _ in range(n):
+            item = {"image": torch.rand((cfg.image_channels, *size), generator=g) * 2 - 1}
+            if cfg.model.with_condition:
+                item["mask"] = labels[torch.randint(0, len(labels), (1, *size), generator=g)]
+            self.items.append(item)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.items[index]
 
 
-def synthetic_batch(cfg, batch: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A training batch of the configured shape: x0 in [-1, 1] and a one-hot mask condition."""
-    g = torch.Generator().manual_seed(seed)
-    size = tuple(cfg.data.image_size)
-    x0 = (torch.rand((batch, cfg.image_channels, *size), generator=g) * 2 - 1).to(device)
-    cond = None
-    if cfg.cond_channels:
-        labels = torch.randint(0, cfg.cond_channels + 1, (batch, 1, *size), generator=g)
-        cond = torch.cat([(labels == i + 1) for i in range(cfg.cond_channels)], dim=1).float().to(device)
-    if device.type == "cuda":
-        x0 = x0.contiguous(memory_format=torch.channels_last_3d)
-    return x0, cond
-
-
-def forward_backward(model, diffusion, x0, cond, autocast) -> torch.Tensor:
-    """One micro-batch as the trainer runs it: loss.sum() / B backpropagated; returns the mean loss."""
-    loss = diffusion.loss(model, x0, cond, list(range(x0.shape[0])), autocast)
-    (loss.sum() / x0.shape[0]).backward()
-    return loss.detach().mean()
+def synthetic_trainer(cfg, batch: int, device: torch.device | str = "cpu", accum: int = PLAN_ACCUM) -> Trainer:
+    """The Trainer of ``cfg`` at micro-batch ``batch`` × ``accum``, fed synthetic data: its step is the one
+    that trains (precision, activation checkpointing, scaler, EMA, optimizer), without compiling (compiling
+    every trial size would take minutes), without data workers and with one process (no DDP buckets)."""
+    plan = C.from_dict(cfg.to_dict())
+    plan.train.batch_size, plan.train.gradient_accumulate_every = batch, accum
+    plan.train.compile, plan.data.num_workers = False, 0
+    return Trainer(plan, SyntheticCases(plan), device)
 
 
 @dataclass
 class StepMemory:
     """Bytes of one training step at a micro-batch: ``static`` (weights, EMA, AdamW moments) and the
-    measured peak of what forward+backward allocate (activations, gradients, temporaries)."""
+    measured peak of what the step's micro-batches allocate (batch, activations, gradients, temporaries)."""
 
     batch: int
     static_bytes: int
@@ -173,23 +182,21 @@ def static_bytes(model: torch.nn.Module) -> int:
     return 4 * param + 2 * buffers
 
 
-def step_memory(cfg, batch: int, device: torch.device | str = "cpu", model: torch.nn.Module | None = None) -> StepMemory:
-    """Measure one forward+backward at ``batch`` with the config's precision and activation checkpointing."""
-    device = torch.device(device)
-    if model is None:
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg).to(device)
-    model.train()
-    diffusion = make_diffusion(cfg)
-    x0, cond = synthetic_batch(cfg, batch, device)
-    autocast = autocast_factory(cfg.train.precision, device)
+def measure_step(trainer: Trainer) -> StepMemory:
+    """The live-byte peak of one ``trainer.accumulate()`` (its micro-batches' forward and backward, data
+    included), and the static bytes of its model. The gradients are dropped afterwards."""
+    model = trainer.model
     model.zero_grad(set_to_none=True)
-    keep = [*model.parameters(), *model.buffers(), x0] + ([cond] if cond is not None else [])
-    tracker = LiveBytes(ignore=keep)
+    tracker = LiveBytes(ignore=[*model.parameters(), *model.buffers()])
     with tracker:
-        forward_backward(model, diffusion, x0, cond, autocast)
+        trainer.accumulate()
     model.zero_grad(set_to_none=True)
-    return StepMemory(batch, static_bytes(model), tracker.peak)
+    return StepMemory(trainer.cfg.train.batch_size, static_bytes(model), tracker.peak)
+
+
+def step_memory(cfg, batch: int, device: torch.device | str = "cpu") -> StepMemory:
+    """Measure the trainer's step at ``batch`` with the config's precision and activation checkpointing."""
+    return measure_step(synthetic_trainer(cfg, batch, device))
 
 
 @dataclass
@@ -211,10 +218,7 @@ class MemoryModel:
 
 
 def fit_memory_model(cfg, device: torch.device | str = "cpu") -> MemoryModel:
-    device = torch.device(device)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg).to(device)
-    one, two = step_memory(cfg, 1, device, model), step_memory(cfg, 2, device, model)
+    one, two = step_memory(cfg, 1, device), step_memory(cfg, 2, device)
     slope = two.step_peak_bytes - one.step_peak_bytes
     return MemoryModel(one.static_bytes, one.step_peak_bytes - slope, slope)
 
@@ -232,25 +236,25 @@ def available_cpu_bytes() -> int:
 
 
 # ---- CUDA: try it ------------------------------------------------------------------------------------
-def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[[int], bool]:
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg).to(device).to(memory_format=torch.channels_last_3d)
-    ema = [p.detach().clone() for p in model.parameters()]  # holds the EMA's memory, as in training
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
-    scaler = torch.amp.GradScaler("cuda", enabled=cfg.train.precision == "fp16")
-    diffusion = make_diffusion(cfg)
-    autocast = autocast_factory(cfg.train.precision, device)
+def _prime_optimizer(trainer: Trainer) -> None:
+    """Allocate AdamW's moments now, as every step after the first holds them: a trial step the fp16 scaler
+    skips would otherwise never create them. (A zero-gradient step; the trial weights do not matter.)"""
+    for p in trainer.model.parameters():
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
 
+
+def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[[int], bool]:
     def fits(batch: int) -> bool:
+        trainer = None
         try:
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            x0, cond = synthetic_batch(cfg, batch, device)
-            loss = diffusion.loss(model, x0, cond, list(range(batch)), autocast)
-            scaler.scale(loss.sum() / batch).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            trainer = synthetic_trainer(cfg, batch, device)
+            _prime_optimizer(trainer)
+            trainer.train_step()
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
             ok = limit_bytes is None or peak <= limit_bytes
@@ -260,11 +264,10 @@ def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[
             log.info("memory plan: batch %d runs out of memory", batch)
             return False
         finally:
-            optimizer.zero_grad(set_to_none=True)
-            loss = x0 = cond = None  # noqa: F841  (drop the failed step's tensors before emptying the cache)
+            trainer = None  # noqa: F841  (the trial's model, EMA, optimizer and activations go before the next)
+            gc.collect()
             torch.cuda.empty_cache()
 
-    fits.keep_alive = (model, ema)  # type: ignore[attr-defined]
     return fits
 
 
@@ -275,16 +278,13 @@ def find_max_batch(cfg, device: torch.device | str, limit_bytes: int | None = No
     if limit_bytes is not None and limit_bytes <= 0:
         raise MemoryPlanError(f"limit_bytes: must be positive, got {limit_bytes}")
     if device.type == "cuda":
-        fits = _cuda_trial(cfg, device, limit_bytes)
-        best = search_largest(fits, max_batch)
-        del fits  # the trial model and optimizer go; hand their memory back before training allocates
-        torch.cuda.empty_cache()
-        method = "trial steps on the GPU"
+        best = search_largest(_cuda_trial(cfg, device, limit_bytes), max_batch)
+        method = "trial steps of the trainer on the GPU"
     else:
         limit = limit_bytes if limit_bytes is not None else int(available_cpu_bytes() * CPU_SAFETY_FRACTION)
         mm = fit_memory_model(cfg, device)
         best = mm.largest_batch(limit, max_batch)
-        method = f"measured step memory, {mm.per_sample_bytes / 2**20:.1f} MiB per sample, limit {limit / 2**30:.2f} GiB"
+        method = f"the trainer's measured step memory, {mm.per_sample_bytes / 2**20:.1f} MiB per sample, limit {limit / 2**30:.2f} GiB"
     if best < 1:
         raise MemoryPlanError(
             f"image_size {cfg.data.image_size}: not even batch 1 fits on {device} ({method}); try "

@@ -45,11 +45,11 @@ import torch.nn.functional as F
 from . import config as C
 from . import configs, metrics
 from ._cli import InputError, OneLineParser, configure_logging, run_command
-from .data import build_dataset, discover, mask_to_cond, save_nifti
+from .data import build_dataset, discover, save_nifti
 from .diffusion import make_diffusion
 from .phantoms import SPACING, make_case
 from .phantoms import save as save_phantom
-from .sample import generate
+from .sampling import ModelGridMask, generate, resolve
 from .trainer import Trainer
 
 log = logging.getLogger("diffusion3d.quality")
@@ -243,23 +243,18 @@ def _nanmean(values: Sequence[float]) -> float:
 
 def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCase], spec: SamplingSpec,
                    samples_per_mask: int, device: torch.device, seed: int, batch_size: int = 16,
-                   autocast: Callable | None = None, save_dir: Path | None = None) -> dict[str, Any]:
+                   save_dir: Path | None = None) -> dict[str, Any]:
     """Sample every test mask ``samples_per_mask`` times with ``spec``; score against the truth.
     With ``save_dir`` the samples are written there as ``<case>_sample<j>.nii.gz`` (beside ``<case>_truth``)."""
-    diffusion = make_diffusion(cfg)
     labels = cfg.data.labels
-    masks = torch.stack([torch.from_numpy(c.mask.astype(np.uint8))[None] for c in cases])
-    conds = mask_to_cond(masks, labels).repeat_interleave(samples_per_mask, 0) if cfg.model.with_condition else None
+    recipe = resolve(cfg, spec.sampler, spec.steps, spec.guidance)
+    grids = [grid for grid in (ModelGridMask(c.mask.astype(np.uint8)) for c in cases) for _ in range(samples_per_mask)]
     seeds = [int(seed * 1000003 + 7919 * c + j) for c in range(len(cases)) for j in range(samples_per_mask)]
     start = time.perf_counter()
-    volumes = []
-    for i in range(0, len(seeds), batch_size):
-        part = conds[i:i + batch_size].to(device) if conds is not None else None
-        volumes.append(generate(model, diffusion, cfg, part, len(seeds[i:i + batch_size]), device, autocast,
-                                sampler=spec.sampler, steps=spec.steps, seeds=seeds[i:i + batch_size],
-                                guidance_scale=spec.guidance))
+    volumes = [s.model_grid for s in generate(model, cfg, grids, seeds, sampler=spec.sampler, steps=spec.steps,
+                                              guidance=spec.guidance, batch_size=batch_size, device=device)]
     seconds = time.perf_counter() - start
-    unit = ((torch.cat(volumes)[:, 0] + 1) / 2).numpy()
+    unit = ((torch.stack(volumes)[:, 0] + 1) / 2).numpy()
     if save_dir is not None:
         save_dir.mkdir(parents=True, exist_ok=True)
         affine = _affine(unit.shape[-1], SPACING)
@@ -268,9 +263,8 @@ def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCa
             for j in range(samples_per_mask):
                 save_nifti(unit[c * samples_per_mask + j][None], affine, save_dir / f"{case.name}_sample{j}.nii.gz")
     scores = score_samples(unit, cases, labels)
-    guidance = cfg.diffusion.guidance_scale if spec.guidance is None else spec.guidance
-    guided = cfg.model.with_condition and guidance != 1.0  # cond and null: two network evaluations per call
-    scores["evaluations"] = diffusion.evaluations(spec.sampler, spec.steps) * (2 if guided else 1)
+    guided = cfg.model.with_condition and recipe.guidance != 1.0  # cond and null: two network evaluations per call
+    scores["evaluations"] = recipe.evaluations * (2 if guided else 1)
     scores["sampling_s_per_volume"] = seconds / len(seeds)
     return scores
 
@@ -296,7 +290,6 @@ def train_and_score(cfg: C.Config, cases: Sequence[TestCase], steps: int, eval_a
             for spec in specs:
                 where = save_dir / f"step_{step:06d}" / spec.label if save_dir is not None else None
                 scores = evaluate_model(trainer.ema.module, cfg, cases, spec, samples_per_mask, device, cfg.train.seed,
-                                        autocast=trainer.autocast if trainer.precision != "fp32" else None,
                                         save_dir=where)
                 row = {"step": step, "train_s": wall, "train_cpu_s": cpu, "loss": float(np.mean(losses[-50:])),
                        "sampling": spec.label, **scores}

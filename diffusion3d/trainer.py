@@ -26,7 +26,8 @@ from .data import SampleStream, make_loader, mask_to_cond
 from .diffusion import make_diffusion
 from .model import build_model
 from .monitor import Monitor, peak_rss_gb
-from .sample import write_samples
+from .precision import autocast_factory
+from .validator import Validator
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,6 @@ FP16_BACKOFF_ALLOWANCE = 24  # fp16 may skip this many extra steps while the sca
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer steps with non-finite loss or gradients."""
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """fp16 exists only on CUDA: elsewhere a warning and fp32."""
-    if requested == "fp16" and device.type != "cuda":
-        log.warning("precision fp16 needs CUDA; training in fp32 on %s", device.type)
-        return "fp32"
-    return requested
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, kind: str, min_ratio: float) -> float:
@@ -93,6 +86,7 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
         self.val_cases = val_cases or []
+        self.autocast = autocast_factory(self.precision, self.device)  # the precision as given: resolved by the caller
         t = cfg.train
         torch.manual_seed(t.seed)  # weight init only; training randomness comes from (seed, k)
         model = build_model(cfg).to(self.device)
@@ -123,13 +117,9 @@ class Trainer:
         self.nonfinite_run = 0
         self.stop_requested = False
         self._batches: Iterator | None = None
-
-    # ---- precision --------------------------------------------------------------------------------
-    def autocast(self) -> contextlib.AbstractContextManager:
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        # validation cases are loaded once, here, and only where samples are written
+        validating = self.is_main and self.val_cases and self.results_dir is not None
+        self.validator = Validator(cfg, self.val_cases[: t.num_samples], self.device) if validating else None
 
     # ---- data -------------------------------------------------------------------------------------
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -172,50 +162,66 @@ class Trainer:
         return torch.cat(losses), data_time
 
     def train_step(self) -> StepResult:
+        """One optimizer step: lr → accum micro-batches → clip and agree → step → EMA (or skip) → result."""
+        lr = self._set_lr()
+        start = time.perf_counter()
+        losses, data_time = self.accumulate()
+        loss, grad_norm, stop = self._clip_and_reduce(losses)  # the one host-device sync of the step
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self._optimizer_step(finite)
+        self.step += 1
+        if finite:
+            self.nonfinite_run = 0
+            self._update_ema()
+        else:
+            self._skip(loss, grad_norm)
+        return StepResult(loss, grad_norm, lr, not finite, time.perf_counter() - start, data_time, stop)
+
+    def _set_lr(self) -> float:
         t = self.cfg.train
         lr = lr_at(self.step, t.lr, t.warmup_steps, t.train_num_steps, t.lr_schedule, t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        start = time.perf_counter()
-        losses, data_time = self.accumulate()
+        return lr
 
+    def _clip_and_reduce(self, losses: torch.Tensor) -> tuple[float, float, bool]:
+        """Unscale and clip the gradients; (mean loss, grad norm) averaged over ranks, and whether any rank
+        asked to stop. SIGTERM reaches the ranks at different moments; agreeing in this all-reduce makes all
+        of them stop after the same step instead of one rank saving and leaving while the others wait."""
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
         mean_loss = losses.mean()
-        # SIGTERM reaches the ranks at different moments; agreeing in this all-reduce makes all of them
-        # stop after the same step instead of one rank saving and leaving while the others wait for it
         stop = torch.tensor(float(self.stop_requested), device=mean_loss.device)
         stats = torch.stack([mean_loss, grad_norm.float(), stop])
         if self.world_size > 1:
             torch.distributed.all_reduce(stats)
             stats[:2] /= self.world_size
-        loss_value, norm_value, stops = stats.tolist()  # the one host-device sync of the step
-        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        loss, norm, stops = stats.tolist()
+        return loss, norm, stops > 0
+
+    def _optimizer_step(self, finite: bool) -> None:
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)  # skips by itself when it found inf/NaN
             self.scaler.update()
         elif finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
 
-        if finite:
-            self.nonfinite_run = 0
-            self._update_ema()
+    def _skip(self, loss: float, grad_norm: float) -> None:
+        """A step with a non-finite loss or gradient: counted, logged, the EMA left alone; too many in a row stop."""
+        self.skipped_steps += 1
+        self.nonfinite_run += 1
+        fp16 = self.scaler.is_enabled()
+        limit = self.cfg.train.max_nonfinite_steps + (FP16_BACKOFF_ALLOWANCE if fp16 else 0)
+        if fp16:  # the scaler backing off: expected now and then, not alarming
+            log.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.step, self.scaler.get_scale())
         else:
-            self.skipped_steps += 1
-            self.nonfinite_run += 1
-            limit = t.max_nonfinite_steps + (FP16_BACKOFF_ALLOWANCE if self.scaler.is_enabled() else 0)
-            if self.scaler.is_enabled():  # the scaler backing off: expected now and then, not alarming
-                log.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.step, self.scaler.get_scale())
-            else:
-                log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped", self.step, loss_value, norm_value)
-            if self.nonfinite_run >= limit:
-                raise NonFiniteError(
-                    f"{self.nonfinite_run} consecutive steps with non-finite loss or gradients (last at step {self.step}); "
-                    "stopped, the last good checkpoint is kept. Try a lower lr, bf16 or fp32."
-                )
-        return StepResult(loss_value, norm_value, lr, not finite, time.perf_counter() - start, data_time, stops > 0)
+            log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped", self.step, loss, grad_norm)
+        if self.nonfinite_run >= limit:
+            raise NonFiniteError(
+                f"{self.nonfinite_run} consecutive steps with non-finite loss or gradients (last at step {self.step}); "
+                "stopped, the last good checkpoint is kept. Try a lower lr, bf16 or fp32."
+            )
 
     @torch.no_grad()
     def _update_ema(self) -> None:
@@ -281,20 +287,11 @@ class Trainer:
         return path
 
     # ---- sampling for monitoring ------------------------------------------------------------------
-    @torch.no_grad()
     def sample_validation(self, monitor: Monitor | None) -> list[Path]:
-        if not self.is_main or not self.val_cases or self.results_dir is None:
+        if self.validator is None:
             return []
         out_dir = self.results_dir / "samples" / f"step_{self.step:08d}"
-        written, panels = write_samples(
-            self.ema.module, self.diffusion, self.cfg, self.val_cases[: self.cfg.train.num_samples], out_dir,
-            self.device, self.autocast, seed=self.cfg.train.seed,
-        )
-        if monitor is not None:
-            for name, panel in panels.items():
-                monitor.image(f"samples/{name}", panel, self.step)
-            monitor.flush()
-        return written
+        return self.validator.run(self.ema.module, out_dir, self.step, monitor)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> str:

@@ -11,7 +11,9 @@ import torch
 
 from conftest import ROOT, tiny_config
 from diffusion3d import bench, memory
-from diffusion3d.memory import MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory
+from diffusion3d.memory import (MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory,
+                                synthetic_trainer)
+from diffusion3d.trainer import Trainer
 
 
 def _write_config(tmp_path, **overrides):
@@ -67,7 +69,7 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
     assert row["mem_kind"] == "process_peak_rss" and _positive(row["peak_mem_gb"]) and row["rss_growth_gb"] >= 0
     assert "est_step_gb" not in row
     # FLOPs are counted, not timed: an optimizer step is accum micro-batches of the same work
-    micro = bench.count_train_flops(bench.build_model(cfg), cfg, "cpu", batch=cfg.train.batch_size)
+    micro = bench.count_train_flops(synthetic_trainer(cfg, cfg.train.batch_size, accum=1))
     assert row["flops_per_step"] == 2 * micro
 
 
@@ -102,13 +104,12 @@ def test_flop_count_is_positive_and_scales_with_voxels(tmp_path):
     # no attention: every counted op is a convolution or a per-voxel matmul, linear in the voxel count
     cfg16 = tiny_config(tmp_path / "a", attention_levels=[False, False])
     cfg32 = tiny_config(tmp_path / "b", size=32, n=1, attention_levels=[False, False])
-    torch.manual_seed(0)
-    model = bench.build_model(cfg16)
-    f16 = bench.count_train_flops(model, cfg16, "cpu", batch=1)
-    f32 = bench.count_train_flops(model, cfg32, "cpu", batch=1)
+    f16 = bench.count_train_flops(synthetic_trainer(cfg16, 1, accum=1))
+    f32 = bench.count_train_flops(synthetic_trainer(cfg32, 1, accum=1))
     assert f16 > 0
     assert 6.0 < f32 / f16 < 10.0
-    assert bench.count_train_flops(model, cfg16, "cpu", batch=2) == 2 * f16  # deterministic, linear in batch
+    assert bench.count_train_flops(synthetic_trainer(cfg16, 2, accum=1)) == 2 * f16  # deterministic, linear in batch
+    assert bench.count_train_flops(synthetic_trainer(cfg16, 1, accum=3)) == 3 * f16  # one optimizer step's micro-batches
 
 
 # ---- memory planning -------------------------------------------------------------------------------
@@ -159,3 +160,30 @@ def test_find_max_batch_respects_the_limit(tmp_path):
         find_max_batch(cfg, "cpu", limit_bytes=mm.static_bytes + 1)
     # the live-bytes measurement it rests on agrees with the fitted line
     assert abs(step_memory(cfg, 3).total_bytes - mm.total(3)) / mm.total(3) < 0.1
+
+
+def test_planning_runs_the_trainers_own_step(tmp_path, monkeypatch):
+    """The planner measures Trainer.accumulate itself: memory the trainer's step holds shows in the plan.
+    (A copy of the step inside the planner would not see this.)"""
+    cfg = tiny_config(tmp_path)
+    trainer = synthetic_trainer(cfg, 2)
+    assert isinstance(trainer, Trainer) and trainer.cfg.train.batch_size == 2 and not trainer.cfg.train.compile
+    before = step_memory(cfg, 2).step_peak_bytes
+    real = Trainer.accumulate
+    extra = 64 * 2**20
+
+    def heavier(self):
+        held = torch.empty(extra, dtype=torch.uint8)  # noqa: F841  (alive while the step runs)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "accumulate", heavier)
+    after = step_memory(cfg, 2).step_peak_bytes
+    assert after - before >= extra
+
+
+def test_planning_does_not_touch_the_callers_config(tmp_path):
+    cfg = tiny_config(tmp_path, batch_size=3, gradient_accumulate_every=1, compile=False)
+    before = cfg.to_dict()
+    step_memory(cfg, 1)
+    assert cfg.to_dict() == before
+

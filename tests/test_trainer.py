@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_config
 from diffusion3d.cli import build_trainer
 from diffusion3d.data import discover, mask_to_cond
-from diffusion3d.trainer import NonFiniteError, ema_decay_at, lr_at, resolve_precision
+from diffusion3d.trainer import NonFiniteError, ema_decay_at, lr_at
 
 
 def trainer_for(cfg, results=None):
@@ -161,13 +161,6 @@ def test_bf16_runs_without_a_scaler(tmp_path):
     assert not trainer.scaler.is_enabled()
     result = trainer.train_step()
     assert not result.skipped and result.loss > 0
-
-
-def test_fp16_on_cpu_falls_back_to_fp32_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING):
-        assert resolve_precision("fp16", torch.device("cpu")) == "fp32"
-    assert "needs CUDA" in caplog.text
-    assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
 
 
 def test_lr_warmup_and_cosine_count_optimizer_steps(tmp_path):

@@ -1,0 +1,64 @@
+"""The trainer's validator: cases loaded once, samples on the masks' grids, montages; imports run one way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, tiny_config
+from diffusion3d.data import discover, split_cases
+from diffusion3d.model import build_model
+from diffusion3d.validator import Validator
+
+
+class FakeMonitor:
+    def __init__(self) -> None:
+        self.images: dict[str, tuple[torch.Tensor, int]] = {}
+        self.flushed = 0
+
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        self.images[tag] = (image, step)
+
+    def flush(self) -> None:
+        self.flushed += 1
+
+
+@pytest.mark.parametrize("conditional", [True, False])
+def test_cases_load_once_and_each_validation_reads_no_file(tmp_path, monkeypatch, conditional):
+    cfg = tiny_config(tmp_path, with_condition=conditional, num_val_cases=2, num_samples=2, sampling_steps=2)
+    _, val = split_cases(discover(cfg), cfg.data.num_val_cases)
+    validator = Validator(cfg, val, "cpu")
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a validation read a file")
+
+    monkeypatch.setattr(nib, "load", no_reads)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    monitor = FakeMonitor()
+    for step in (5, 10):
+        written = validator.run(model, tmp_path / f"step_{step}", step, monitor)
+        assert [p.name for p in written] == [f"{c.name}_sample0.nii.gz" for c in val]
+    monkeypatch.undo()
+    columns = 3 if conditional else 2  # (mask,) real image, sample
+    assert sorted(monitor.images) == sorted(f"samples/{c.name}" for c in val) and monitor.flushed == 2
+    for image, step in monitor.images.values():
+        assert image.shape == (1, 3 * 16, columns * 16) and step == 10
+    for path, case in zip(written, val):
+        img = nib.load(str(path))
+        source = nib.load(str(case.mask if conditional else case.images[0]))
+        assert img.shape == source.shape
+        np.testing.assert_allclose(img.affine, source.affine, atol=1e-6)
+
+
+def test_library_modules_never_import_a_command():
+    code = ("import sys; import diffusion3d.trainer, diffusion3d.sampling, diffusion3d.validator, diffusion3d.memory, "
+            "diffusion3d.precision; bad = [m for m in ('diffusion3d.sample', 'diffusion3d.cli', 'diffusion3d.evaluate', "
+            "'diffusion3d.bench', 'diffusion3d.quality') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
