@@ -13,10 +13,13 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from monai.data import MetaTensor
+from monai.transforms import LoadImaged
 
 from conftest import ROOT, SHARED_DATA, configure, make_dataset, phantom, write_nifti
 from diffusion3d import config as C
 from diffusion3d import data as D
+from diffusion3d.data.discovery import _image_columns
 
 SIZE = 16
 
@@ -321,7 +324,7 @@ def test_manifest_errors_name_the_file(tmp_path):
     manifest.write_text("case,image,mask\nc0,t1/c0.nii.gz,seg/c0.nii.gz\nc0,t1/c1.nii.gz,seg/c1.nii.gz\n")
     with pytest.raises(D.DataError, match="listed twice"):
         D.discover(cfg)
-    assert D._image_columns(["case", "image_10", "image_2", "image_0", "mask"]) == ["image_0", "image_2", "image_10"]
+    assert _image_columns(["case", "image_10", "image_2", "image_0", "mask"]) == ["image_0", "image_2", "image_10"]
 
 
 def test_unconditional_needs_images_only(tmp_path):
@@ -349,7 +352,7 @@ def test_intensity_per_volume_and_per_channel(tmp_path):
     out = D.training_transforms(cfg)({"image": [str(tmp_path / "a" / "c.nii.gz"), str(tmp_path / "b" / "c.nii.gz")],
                                       "mask": str(tmp_path / "m" / "c.nii.gz")})
     image = out["image"]
-    assert image.shape == (2, SIZE, SIZE, SIZE) and not isinstance(image, D.MetaTensor)
+    assert image.shape == (2, SIZE, SIZE, SIZE) and not isinstance(image, MetaTensor)
     expected = torch.from_numpy(2 * (ramp - ramp.min()) / (ramp.max() - ramp.min()) - 1)
     for c in range(2):
         assert float(image[c].min()) == -1.0 and float(image[c].max()) == pytest.approx(1.0)
@@ -385,7 +388,7 @@ def test_disk_cache_equals_memory_cache_and_is_read_back(tmp_path, monkeypatch):
     def no_decoding(self, data, reader=None):
         raise AssertionError("decoded again instead of read from the disk cache")
 
-    monkeypatch.setattr(D.LoadImaged, "__call__", no_decoding)
+    monkeypatch.setattr(LoadImaged, "__call__", no_decoding)
     again = D.build_dataset(cases, cfg, tmp_path / "cache")
     for i in range(3):
         torch.testing.assert_close(D.plain(again[i])["image"], D.plain(memory[i])["image"], atol=0, rtol=0)
@@ -422,7 +425,7 @@ def _draw(dataset, cfg, stream, batch_size: int, count: int, rank: int = 0, worl
     ids, images = [], []
     while len(ids) < count:
         batch = next(loader)
-        assert batch["image"].shape[0] == batch_size and not isinstance(batch["image"], D.MetaTensor)
+        assert batch["image"].shape[0] == batch_size and not isinstance(batch["image"], MetaTensor)
         ids += [int(k) for k in batch["sample_id"]]
         images += list(batch["image"])
     return ids, images
