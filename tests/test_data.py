@@ -285,7 +285,7 @@ def test_modality_folders_stack_in_configured_order(tmp_path):
     seg = _modalities(tmp_path, ["t1", "t2", "flair"], [0.0, 10.0, 20.0])
     dirs = [str(tmp_path / n) for n in ("flair", "t1", "t2")]
     cfg = make_cfg(tmp_path, image_dir=dirs, mask_dir=str(seg), intensity="none")
-    assert len(run_checks(cfg)) == 2
+    assert len(run_checks(cfg)) == 2 and cfg.data.image_channels == 3
     base = float(phantom(SIZE, 0)[0].mean())
     assert _channel_means(cfg) == pytest.approx([base + 20, base, base + 10], abs=1e-4)
     cfg.data.image_dir = dirs[::-1]
@@ -308,9 +308,16 @@ def test_manifest_single_and_numbered_image_columns(tmp_path):
     cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none", image_dir=["t1", "t2"])
     base = float(phantom(SIZE, 0)[0].mean())
     assert _channel_means(cfg) == pytest.approx([base, base + 10], abs=1e-4)
-    # with a manifest the model's image channels follow its image columns, whatever image_dir says
+    # with a manifest the model's image channels follow its image columns, whatever image_dir says;
+    # discovery finds them (the config reads no file) and records them in the config
     cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none")
-    assert cfg.image_channels == 2 and len(D.discover(cfg)[0].images) == 2
+    assert cfg.image_channels == 1 and cfg.data.image_channels is None
+    assert len(D.discover(cfg)[0].images) == 2
+    assert cfg.image_channels == 2 and cfg.to_dict()["data"]["image_channels"] == 2
+    # a count set by hand is checked against what discovery finds
+    cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none", image_channels=3)
+    with pytest.raises(D.DataError, match=r"^\S*multi.csv: 2 image channel\(s\) per case, but image_channels is set to 3$"):
+        D.discover(cfg)
 
 
 def test_manifest_errors_name_the_file(tmp_path):

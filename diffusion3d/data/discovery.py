@@ -49,13 +49,31 @@ def scan_folder(folder: Path, suffix: str) -> dict[str, Path]:
 
 
 def discover(cfg) -> list[Case]:
-    """Pair images and masks by case name (folders) or read them from a CSV manifest."""
+    """Pair images and masks by case name (folders) or read them from a CSV manifest.
+
+    Also the one place that decides the model's image channels (one per image folder or manifest image
+    column): it records them in ``cfg.data.image_channels``, so the resolved config, and every checkpoint,
+    carries them. A value set by hand that differs is a DataError naming the folder or manifest.
+    """
     d = cfg.data
-    need_mask = cfg.model.with_condition
     if d.manifest:
-        cases = _read_manifest(Path(d.manifest), need_mask)
-        return cases
-    image_dirs = d.image_dir if isinstance(d.image_dir, list) else [d.image_dir]
+        cases = _read_manifest(Path(d.manifest), cfg.model.with_condition)
+        _record_image_channels(cfg, len(cases[0].images), d.manifest)
+    else:
+        image_dirs = d.image_dir if isinstance(d.image_dir, list) else [d.image_dir]
+        _record_image_channels(cfg, len(image_dirs), image_dirs[0])
+        cases = _pair_folders(image_dirs, d, cfg.model.with_condition)
+    return cases
+
+
+def _record_image_channels(cfg, found: int, source) -> None:
+    if cfg.data.image_channels not in (None, found):
+        raise DataError(f"{source}: {found} image channel(s) per case, but image_channels is set to "
+                        f"{cfg.data.image_channels}")
+    cfg.data.image_channels = found
+
+
+def _pair_folders(image_dirs: list[str], d, need_mask: bool) -> list[Case]:
     per_channel = [scan_folder(Path(p), d.image_suffix) for p in image_dirs]
     masks = scan_folder(Path(d.mask_dir), d.mask_suffix) if need_mask else {}
     names = set(per_channel[0])
