@@ -441,21 +441,19 @@ def _metavar(hint: Any) -> str:
     return {type(None): "null"}.get(hint) or hint.__name__.upper()
 
 
-def _help(f: dataclasses.Field, hint: Any, section: str, shipped: Config | None) -> str:
+def _help(f: dataclasses.Field, section: str, shipped: Config | None) -> str:
+    """Meaning and default (the choices are in the metavar: ``--sampler {ddim,ddpm,...}``)."""
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     text = f"{f.metadata['help']} (default: {show(default)}"
     if shipped is not None and getattr(getattr(shipped, section), f.name) != default:
         text += f"; the default config sets {show(getattr(getattr(shipped, section), f.name))}"
-    arms = typing.get_args(hint) if _is_union(hint) else (hint,)
-    choices = [c for arm in arms if typing.get_origin(arm) is Literal for c in typing.get_args(arm)]
-    if choices and len(choices) > 1:
-        text += f"; choices: {', '.join(choices)}"
     return (text + ")").replace("%", "%%")  # argparse formats help with %
 
 
 def add_arguments(parser: argparse.ArgumentParser, shipped: Config | None = None) -> None:
     """One flag per key (``--batch_size 2``; booleans also ``--no_with_condition``), grouped by section,
-    each with its meaning, default (and the value ``shipped``, the default config, sets) and choices.
+    each with its meaning, default (and the value ``shipped``, the default config, sets) and choices
+    (in the metavar, as argparse shows them).
     Values stay text here: ``apply_arguments`` reads them as YAML and type-checks them."""
     for alias, target in ALIASES.items():
         parser.add_argument(f"--{alias}", dest=target, default=None, metavar="N", help=f"short for --{target}")
@@ -463,7 +461,7 @@ def add_arguments(parser: argparse.ArgumentParser, shipped: Config | None = None
         group = parser.add_argument_group(section)
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
-            text = _help(f, hints[f.name], section, shipped)
+            text = _help(f, section, shipped)
             if hints[f.name] is bool:
                 group.add_argument(f"--{f.name}", dest=f.name, nargs="?", const="true", default=None,
                                    metavar="BOOL", help=text)
