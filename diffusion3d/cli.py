@@ -30,35 +30,31 @@ DEFAULT_CONFIG = configs.DEFAULT  # inside the package: found by a wheel install
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py",
+        usage="%(prog)s [-h] [--config YAML] [--check_data] [--KEY VALUE ...]",  # every key: see --help
         description="Train a conditional 3D diffusion model (mask → MRI volume). Every config key can be "
-        "overridden by its name, e.g. --batch_size 2 --lr 2e-4 --labels [1,2,4].",
+        "overridden by its name, e.g. --batch_size 2 --lr 2e-4 --labels [1,2,4]; values are read as YAML.",
     )
     p.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name} of this project)")
     p.add_argument("--check_data", action="store_true", help="only validate the data and print a summary")
-    p.add_argument("--accum", dest="gradient_accumulate_every", default=None, metavar="N",
-                   help="short for --gradient_accumulate_every")
-    hints = {}
-    for section, cls in C.SECTIONS.items():
-        group = p.add_argument_group(section)
-        for name, (_, f) in ((n, v) for n, v in C.key_index().items() if v[0] == section):
-            hints[name] = C._type_hints(cls)[name]
-            if hints[name] is bool:
-                group.add_argument(f"--{name}", dest=name, nargs="?", const="true", default=None, metavar="BOOL")
-                group.add_argument(f"--no_{name}", dest=name, action="store_const", const="false")
-            else:
-                group.add_argument(f"--{name}", dest=name, default=None, metavar=name.upper())
-    p.add_argument("--name", default=None, help="run name (default: the config file's stem)")
+    try:
+        shipped = C.load(DEFAULT_CONFIG)  # --help shows what the default config sets, too
+    except C.ConfigError:
+        shipped = None
+    C.add_arguments(p, shipped)
     return p
 
 
 def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C.Config:
     try:
         cfg = C.load(args.config or DEFAULT_CONFIG)
-        for key in [*C.key_index(), "name"]:
-            value = getattr(args, key, None)
-            if value is not None:
-                C.set_key(cfg, key, C.parse_value(value))
-        C.validate(cfg)
+        C.apply_arguments(cfg, args)
+        cfg.validate()
+        try:
+            world_size = distributed.env_world_size()
+        except ValueError:
+            world_size = None  # a bad torchrun environment: distributed.setup names it
+        if world_size is not None:
+            cfg.train.check_processes(world_size)
     except C.ConfigError as e:
         parser.error(str(e))
     return cfg
@@ -105,7 +101,8 @@ def select_checkpoint(cfg: C.Config, results: Path) -> tuple[Path, dict] | None:
 
 
 def plan_batch(cfg: C.Config, device, dist) -> None:
-    """--batch_size auto: the largest micro-batch that fits, accum derived to keep effective_batch."""
+    """--batch_size auto: the largest micro-batch that fits, accum derived so that batch_size × accum ×
+    processes is effective_batch (the samples per optimizer step, over all processes)."""
     from .memory import MemoryPlanError, find_max_batch, plan_accumulation
 
     effective = cfg.train.effective_batch
@@ -224,7 +221,8 @@ def train(trainer: Trainer, dist: distributed.DistInfo) -> str:
     cfg = trainer.cfg
     log.info("%d training cases, %d validation cases, device %s, precision %s, effective batch %d "
              "(batch_size × accum × %d processes)", len(trainer.dataset), len(trainer.val_cases), dist.device,
-             cfg.train.precision, cfg.effective_batch * dist.world_size, dist.world_size)
+             cfg.train.precision,
+             cfg.train.batch_size * cfg.train.gradient_accumulate_every * dist.world_size, dist.world_size)
     install_signal_handlers(trainer)
     return trainer.train()
 

@@ -1,19 +1,22 @@
-"""The whole run's configuration: dataclasses, YAML in, CLI overrides by key name, resolved YAML out.
+"""The whole run's configuration: typed dataclasses, YAML in, CLI overrides by key name, resolved YAML out.
 
 YAML files are grouped in sections (``data``, ``model``, ``diffusion``, ``train``) but every key name is
 unique across sections, so the command line overrides a key by its bare name (``--batch_size 2``).
 Values given on the command line are parsed as YAML scalars/lists (``--labels [1,2,4]``) and then
-checked against the field's type.
+checked against the field's type. A field's type carries its choices (``Literal``), its metadata its
+meaning (shown by ``--help``) and lower bound; each section checks itself (``validate``), and
+``Config.validate`` adds the checks that span sections.
 """
 
 from __future__ import annotations
 
-import csv
+import argparse
 import dataclasses
+import types
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -22,125 +25,277 @@ class ConfigError(ValueError):
     """A config file or value that cannot be used; the message names the key or file."""
 
 
+def key(default: Any, help: str, *, at_least: float | None = None, expect: str | None = None) -> Any:
+    """A config field: its default, its meaning (``--help``), optionally a lower bound and the words for
+    what it expects (for a type error's message)."""
+    metadata = {"help": help, "at_least": at_least, "expect": expect}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# ---- types: checking a value against a field's type hint -------------------------------------------
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _describe(hint: Any) -> str:
+    """What a value of this type looks like, in words for an error message."""
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
+    if typing.get_origin(hint) is list:
+        return "a list"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
+
+
+def coerce(key: str, value: Any, hint: Any, expect: str | None = None) -> Any:
+    """Check ``value`` against ``hint``; return it (ints widen to floats). ConfigError names the key."""
+    if _is_union(hint):
+        arms = typing.get_args(hint)
+        if value is None and type(None) in arms:
+            return None
+        for arm in arms:
+            if arm is type(None):
+                continue
+            try:
+                return coerce(key, value, arm)
+            except ConfigError:
+                if isinstance(value, list) and typing.get_origin(arm) is list:
+                    raise  # a list with a bad element: say which
+        expect = expect or " or ".join(_describe(arm) for arm in arms)
+        raise ConfigError(f"{key}: expected {expect}, got {value!r}")
+    if typing.get_origin(hint) is Literal:
+        if value in typing.get_args(hint) and isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(typing.get_args(hint))}")
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [coerce(key, v, typing.get_args(hint)[0]) for v in value]
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if (hint is bool and isinstance(value, bool)) or (hint is str and isinstance(value, str)):
+        return value
+    if hint is int and number and isinstance(value, int):
+        return value
+    if hint is float and number:
+        return float(value)
+    raise ConfigError(f"{key}: expected {expect or _describe(hint)}, got {value!r}")
+
+
+class Section:
+    """A config section. ``validate`` checks every field's type, choices and lower bound (values built
+    directly, not through ``set_key``, are checked too); subclasses add their own rules after it."""
+
+    def validate(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value = coerce(f.name, getattr(self, f.name), hints[f.name], f.metadata.get("expect"))
+            setattr(self, f.name, value)
+            low = f.metadata.get("at_least")
+            if low is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value < low:
+                raise ConfigError(f"{f.name}: must be at least {low}, got {value}")
+
+
+# ---- the sections -----------------------------------------------------------------------------------
 @dataclass
-class DataConfig:
-    image_dir: str | list[str] = "data/demo/images"  # several folders = several image channels, in order
-    mask_dir: str = "data/demo/masks"
-    manifest: str | None = None  # CSV with columns case, image (or image_0, image_1, ...), mask
-    image_suffix: str = ""  # stripped from image file names to find the case name (e.g. "_t1")
-    mask_suffix: str = ""  # stripped from mask file names (e.g. "_seg")
-    labels: list[int] = field(default_factory=lambda: [1, 2])  # mask labels -> one-hot channels, in order
-    unknown_labels: str = "error"  # error | warn : mask values outside {0} ∪ labels
-    orientation: str | None = "RAS"
-    spacing: list[float] | None = None  # resample to this spacing (mm); None keeps the file's grid
-    intensity: str = "percentile"  # percentile | range | none : how each volume is scaled to [-1, 1]
-    lower_percentile: float = 0.0
-    upper_percentile: float = 99.5
-    intensity_range: list[float] = field(default_factory=lambda: [0.0, 1.0])  # for intensity: range
-    image_size: list[int] = field(default_factory=lambda: [32, 32, 32])  # the model's grid
-    output_intensity: str = "unit"  # unit ([0, 1]) | model ([-1, 1]) | source (intensity_range) for written samples
-    resize_mode: str = "pad_crop"  # pad_crop | resize
-    cache: str = "memory"  # memory | disk | none
-    cache_dir: str | None = None  # for cache: disk (default results_dir/cache)
-    num_workers: int = 0
-    pin_memory: bool = True
-    num_val_cases: int = 2  # held out from training, sampled for monitoring
-    shape_tolerance_mm: float = 1e-3  # image/mask affines may differ by this much
-    max_volume_gb: float | None = 2.0  # refuse a file whose header declares more voxel data (None: no ceiling)
+class DataConfig(Section):
+    image_dir: str | list[str] = key("data/demo/images", "image folder, or a list of folders (one image channel each, in order)")
+    mask_dir: str = key("data/demo/masks", "mask folder (label maps)")
+    manifest: str | None = key(None, "CSV with columns case, image (or image_0, image_1, ...), mask, instead of folders")
+    image_channels: int | None = key(
+        None, "image volumes per case (the model's image channels); found by discovery: one per image_dir "
+        "folder or manifest image column. The run records it, so sampling needs no data; set it only to check",
+        at_least=1)
+    image_suffix: str = key("", "stripped from image file names to find the case name (e.g. _t1)")
+    mask_suffix: str = key("", "stripped from mask file names (e.g. _seg)")
+    labels: list[int] = key([1, 2], "mask labels -> one-hot condition channels, in order")
+    unknown_labels: Literal["error", "warn"] = key("error", "mask values outside {0} and labels: refuse, or warn "
+                                                   "and treat them as background")
+    orientation: str | None = key("RAS", "axis codes everything is reoriented to (null: keep the file's)")
+    spacing: list[float] | None = key(None, "resample to this spacing in mm (null: keep the file's grid)")
+    intensity: Literal["percentile", "range", "none"] = key("percentile", "how each volume is scaled to [-1, 1]")
+    lower_percentile: float = key(0.0, "for intensity: percentile")
+    upper_percentile: float = key(99.5, "for intensity: percentile")
+    intensity_range: list[float] = key([0.0, 1.0], "[low, high] mapped to [-1, 1], for intensity: range")
+    image_size: list[int] = key([32, 32, 32], "the model's grid; divisible by 2^(levels-1)")
+    output_intensity: Literal["unit", "model", "source"] = key(
+        "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)")
+    resize_mode: Literal["pad_crop", "resize"] = key("pad_crop", "how volumes are fit to the model's grid")
+    cache: Literal["memory", "disk", "none"] = key("memory", "decoded training set kept in memory (CacheDataset), "
+                                                   "on disk in cache_dir (PersistentDataset), or not at all")
+    cache_dir: str | None = key(None, "for cache: disk (null: results_dir/cache)")
+    num_workers: int = key(0, "loader workers, validation processes and cache-build threads")
+    pin_memory: bool = key(True, "pinned host memory for batches (CUDA)")
+    num_val_cases: int = key(2, "cases held out for validation sampling (when at least four remain for training)")
+    shape_tolerance_mm: float = key(1e-3, "how far image and mask affines may differ")
+    max_volume_gb: float | None = key(2.0, "refuse a file whose header declares more voxel data, before "
+                                      "reading it (null: no ceiling)")
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.image_size) != 3 or min(self.image_size) < 1:
+            raise ConfigError(f"image_size: expected three positive sizes, got {self.image_size}")
+        if len(set(self.labels)) != len(self.labels) or 0 in self.labels:
+            raise ConfigError(f"labels: must be distinct and non-zero, got {self.labels}")
+        if self.spacing is not None and (len(self.spacing) != 3 or min(self.spacing) <= 0):
+            raise ConfigError(f"spacing: expected three positive values, got {self.spacing}")
+        low_high = self.intensity_range
+        if len(low_high) != 2 or low_high[0] >= low_high[1]:
+            raise ConfigError(f"intensity_range: expected [low, high] with low < high, got {low_high}")
+        if not 0 <= self.lower_percentile < self.upper_percentile <= 100:
+            raise ConfigError("lower_percentile/upper_percentile: need 0 <= lower < upper <= 100")
+        if self.output_intensity == "source" and self.intensity != "range":
+            raise ConfigError("output_intensity: source needs intensity: range (percentile scaling has no "
+                              "fixed source range)")
 
 
 @dataclass
-class ModelConfig:
-    with_condition: bool = True  # concatenate the mask channels to the noisy image
-    channels: list[int] = field(default_factory=lambda: [32, 64, 64])
-    num_res_blocks: int = 1
-    attention_levels: list[bool] = field(default_factory=lambda: [False, False, True])
-    num_head_channels: int = 32
-    norm_num_groups: int = 8
-    activation_checkpointing: bool = False
+class ModelConfig(Section):
+    with_condition: bool = key(True, "concatenate the mask's label channels to the noisy image")
+    channels: list[int] = key([32, 64, 64], "channels per UNet level")
+    num_res_blocks: int = key(1, "residual blocks per level")
+    attention_levels: list[bool] = key([False, False, True], "self-attention (SDPA) per level")
+    num_head_channels: int = key(32, "attention head width")
+    norm_num_groups: int = key(8, "GroupNorm groups")
+    activation_checkpointing: bool = key(False, "recompute blocks in backward (less memory, same gradients)")
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.attention_levels) != len(self.channels):
+            raise ConfigError("attention_levels: needs one entry per entry of channels")
+        if any(c % self.norm_num_groups for c in self.channels):
+            raise ConfigError(f"channels: each must be divisible by norm_num_groups={self.norm_num_groups}")
+
+
+FLOW_SAMPLERS = ("euler", "heun")
 
 
 @dataclass
-class DiffusionConfig:
-    timesteps: int = 250
-    schedule: str = "cosine"  # cosine | linear
-    prediction: str = "eps"  # eps | v | x0 (Gaussian diffusion) | flow (rectified flow)
-    loss: str = "l1"  # l1 | l2
-    min_snr_gamma: float | None = None
-    sampler: str = "ddim"  # ddim | ddpm | dpmpp2m (Gaussian) ; euler | heun (flow)
-    sampling_steps: int = 50
-    ddim_eta: float = 0.0
-    clip_x0: bool = True
-    flow_shift: float | None = None  # flow time shift; None: (voxels / 32³)^(1/3) as MONAI's RFlowScheduler
-    flow_time_sampling: str = "logit_normal"  # logit_normal | uniform : training times of the flow
-    cond_drop_prob: float = 0.0  # classifier-free guidance: drop the mask condition of this fraction of samples
-    guidance_scale: float = 1.0  # sampling: uncond + scale * (cond - uncond); 1 = the conditional model alone
+class DiffusionConfig(Section):
+    timesteps: int = key(250, "training timesteps of Gaussian diffusion", at_least=1)
+    schedule: Literal["cosine", "linear"] = key("cosine", "noise schedule")
+    prediction: Literal["eps", "v", "x0", "flow"] = key("eps", "network target: eps, v or x0 (Gaussian "
+                                                       "diffusion) or flow (rectified flow)")
+    loss: Literal["l1", "l2"] = key("l1", "loss on the network's target")
+    min_snr_gamma: float | None = key(None, "min-SNR-gamma loss weighting (Gaussian diffusion only)")
+    sampler: Literal["ddim", "ddpm", "dpmpp2m", "euler", "heun"] = key(
+        "ddim", "ddim, ddpm or dpmpp2m (Gaussian diffusion); euler or heun (flow)")
+    sampling_steps: int = key(50, "sampler steps (heun: 2 network evaluations per step but the last)", at_least=1)
+    ddim_eta: float = key(0.0, "DDIM stochasticity")
+    clip_x0: bool = key(True, "clip the predicted x0 to [-1, 1] while sampling")
+    flow_shift: float | None = key(None, "flow time shift toward noise (null: (voxels / 32^3)^(1/3), as "
+                                   "MONAI's RFlowScheduler)")
+    flow_time_sampling: Literal["logit_normal", "uniform"] = key("logit_normal", "training times of the flow")
+    cond_drop_prob: float = key(0.0, "classifier-free guidance: fraction of samples trained with the null "
+                                "condition")
+    guidance_scale: float = key(1.0, "sampling: uncond + scale * (cond - uncond); 1 = the conditional model "
+                                "alone (no extra cost)")
+
+    def validate(self) -> None:
+        super().validate()
+        flow = self.prediction == "flow"
+        if flow != (self.sampler in FLOW_SAMPLERS):
+            kind = "euler or heun" if flow else "ddim, ddpm or dpmpp2m"
+            raise ConfigError(f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} (use {kind})")
+        if flow and self.min_snr_gamma is not None:
+            raise ConfigError("min_snr_gamma: applies to Gaussian diffusion (eps / v / x0), not to prediction: flow")
+        if self.flow_shift is not None and self.flow_shift <= 0:
+            raise ConfigError(f"flow_shift: must be positive, got {self.flow_shift}")
+        if not 0.0 <= self.cond_drop_prob < 1.0:
+            raise ConfigError(f"cond_drop_prob: must be in [0, 1), got {self.cond_drop_prob}")
+        if self.guidance_scale < 0:
+            raise ConfigError(f"guidance_scale: must be at least 0, got {self.guidance_scale}")
 
 
 @dataclass
-class TrainConfig:
-    batch_size: int | str = 1  # or "auto": the largest micro-batch that fits (needs effective_batch)
-    gradient_accumulate_every: int = 1
-    effective_batch: int | None = None  # batch_size × accum to keep; with batch_size auto, accum is derived
-    max_batch: int = 64  # upper bound searched by batch_size: auto
-    train_num_steps: int = 1000
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0
-    ema_decay: float = 0.995
-    ema_update_every: int = 1
-    ema_start_step: int = 0
-    ema_warmup: bool = True  # decay min(ema_decay, (1 + n) / (10 + n)) after n updates: early EMA tracks the model
-    precision: str = "fp32"  # fp32 | fp16 | bf16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0
-    results_dir: str | None = None  # default runs/<config name>
-    save_every: int = 100
-    sample_every: int = 250
-    num_samples: int = 2  # validation masks sampled at each sample_every
-    log_every: int = 1
-    keep_last: int = 3
-    milestone_every: int = 0  # also keep every M-th step's checkpoint (0: none)
-    resume: str = "auto"  # auto | none | PATH
-    overwrite: bool = False
-    max_nonfinite_steps: int = 10
-    compile: bool = False
-    quiet: bool = False
+class TrainConfig(Section):
+    batch_size: int | Literal["auto"] = key(1, "micro-batch size per process, or auto: the largest that fits "
+                                            "(needs effective_batch)", at_least=1,
+                                            expect="a positive integer or auto")
+    gradient_accumulate_every: int = key(1, "micro-batches per optimizer step (--accum)", at_least=1)
+    effective_batch: int | None = key(None, "samples per optimizer step over all processes: batch_size x "
+                                      "accum x processes. With batch_size auto, accum is derived to keep it",
+                                      at_least=1)
+    max_batch: int = key(64, "the largest micro-batch batch_size: auto tries", at_least=1)
+    train_num_steps: int = key(1000, "optimizer steps", at_least=1)
+    lr: float = key(1e-4, "learning rate (AdamW)")
+    weight_decay: float = key(0.0, "AdamW weight decay (0: Adam, as Med-DDPM)")
+    warmup_steps: int = key(0, "linear warmup, in optimizer steps")
+    lr_schedule: Literal["constant", "cosine"] = key("constant", "learning rate after warmup")
+    min_lr_ratio: float = key(0.1, "cosine decays to lr x min_lr_ratio")
+    adam_betas: list[float] = key([0.9, 0.999], "AdamW betas")
+    max_grad_norm: float = key(1.0, "gradient clipping norm")
+    ema_decay: float = key(0.995, "EMA of the weights (used for sampling)")
+    ema_update_every: int = key(1, "optimizer steps between EMA updates", at_least=1)
+    ema_start_step: int = key(0, "first step with an EMA update")
+    ema_warmup: bool = key(True, "decay min(ema_decay, (1 + n) / (10 + n)) after n updates: early EMA tracks "
+                           "the model")
+    precision: Literal["fp32", "fp16", "bf16"] = key("fp32", "autocast of the forward pass (fp16: CUDA only)")
+    device: str = key("auto", "auto, cpu, cuda or cuda:N")
+    seed: int = key(0, "the whole run's randomness derives from it")
+    results_dir: str | None = key(None, "where checkpoints, logs and samples go (null: runs/<config name>)")
+    save_every: int = key(100, "optimizer steps between checkpoints", at_least=1)
+    sample_every: int = key(250, "optimizer steps between validation samplings", at_least=1)
+    num_samples: int = key(2, "validation masks sampled at each sample_every")
+    log_every: int = key(1, "optimizer steps between TensorBoard scalars", at_least=1)
+    keep_last: int = key(3, "checkpoints kept", at_least=1)
+    milestone_every: int = key(0, "also keep every M-th step's checkpoint (0: none)")
+    resume: str = key("auto", "auto (newest valid checkpoint), none, or a checkpoint path")
+    overwrite: bool = key(False, "with resume none: delete the folder's checkpoints, logs and samples")
+    max_nonfinite_steps: int = key(10, "consecutive non-finite steps before the run stops", at_least=1)
+    compile: bool = key(False, "torch.compile the denoiser")
+    quiet: bool = key(False, "no progress bar")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.batch_size == "auto" and self.effective_batch is None:
+            raise ConfigError("batch_size: auto needs effective_batch (the samples per optimizer step to keep)")
+        if self.batch_size != "auto" and self.effective_batch is not None:
+            per_process = self.batch_size * self.gradient_accumulate_every
+            if self.effective_batch % per_process:
+                raise ConfigError(f"effective_batch: {self.effective_batch} is not batch_size {self.batch_size} × "
+                                  f"accum {self.gradient_accumulate_every} × a number of processes")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be positive, got {self.lr}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay: must be in [0, 1), got {self.ema_decay}")
+        if len(self.adam_betas) != 2:
+            raise ConfigError("adam_betas: expected two values")
+
+    def check_processes(self, world_size: int) -> None:
+        """A fixed batch split must give effective_batch with this many processes (auto is planned to)."""
+        if self.batch_size == "auto" or self.effective_batch is None:
+            return
+        global_batch = self.batch_size * self.gradient_accumulate_every * world_size
+        if global_batch != self.effective_batch:
+            raise ConfigError(
+                f"effective_batch: {self.effective_batch} is not batch_size {self.batch_size} × accum "
+                f"{self.gradient_accumulate_every} × {world_size} process(es) = {global_batch} "
+                "(use --batch_size auto to derive the split)")
 
 
-SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type[Section]] = {
     "data": DataConfig,
     "model": ModelConfig,
     "diffusion": DiffusionConfig,
     "train": TrainConfig,
-}
-CHOICES: dict[str, tuple[str, ...]] = {
-    "unknown_labels": ("error", "warn"),
-    "intensity": ("percentile", "range", "none"),
-    "resize_mode": ("pad_crop", "resize"),
-    "output_intensity": ("unit", "model", "source"),
-    "cache": ("memory", "disk", "none"),
-    "schedule": ("cosine", "linear"),
-    "prediction": ("eps", "v", "x0", "flow"),
-    "loss": ("l1", "l2"),
-    "sampler": ("ddim", "ddpm", "dpmpp2m", "euler", "heun"),
-    "flow_time_sampling": ("logit_normal", "uniform"),
-    "lr_schedule": ("constant", "cosine"),
-    "precision": ("fp32", "fp16", "bf16"),
 }
 ALIASES = {"accum": "gradient_accumulate_every"}
 
 
 @dataclass
 class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = dataclasses.field(default_factory=DiffusionConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     name: str = "default"
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,13 +306,10 @@ class Config:
 
     @property
     def image_channels(self) -> int:
-        """One per image folder, or per manifest column image / image_0, image_1, ..."""
-        if self.data.manifest and Path(self.data.manifest).is_file():
-            with open(self.data.manifest, newline="") as f:
-                header = next(csv.reader(f), [])
-            if "image" not in header:
-                return max(1, sum(1 for c in header if c.startswith("image_") and c[6:].isdigit()))
-            return 1
+        """The model's image channels: as discovery found them (``data.image_channels``). Before discovery,
+        and for checkpoints older than that key, one per image_dir folder. Reads no file."""
+        if self.data.image_channels is not None:
+            return self.data.image_channels
         dirs = self.data.image_dir
         return len(dirs) if isinstance(dirs, list) else 1
 
@@ -165,13 +317,27 @@ class Config:
     def cond_channels(self) -> int:
         return len(self.data.labels) if self.model.with_condition else 0
 
-    @property
-    def effective_batch(self) -> int:
-        if isinstance(self.train.batch_size, str):  # "auto" before it is resolved
-            return self.train.effective_batch
-        return self.train.batch_size * self.train.gradient_accumulate_every
+    def validate(self) -> None:
+        """Each section checks itself; then the checks that span sections."""
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        d, m = self.data, self.model
+        factor = 2 ** (len(m.channels) - 1)
+        if any(s % factor for s in d.image_size):
+            raise ConfigError(
+                f"image_size: {d.image_size} must be divisible by {factor} (2^(levels-1) for {len(m.channels)} levels)"
+            )
+        if not d.labels and m.with_condition:
+            raise ConfigError("labels: at least one label is needed with with_condition")
+        if self.diffusion.guidance_scale != 1.0 and not m.with_condition:
+            raise ConfigError("guidance_scale: needs with_condition (there is no condition to guide by)")
 
 
+def validate(cfg: Config) -> None:
+    cfg.validate()
+
+
+# ---- keys by name, dicts and YAML -------------------------------------------------------------------
 def key_index() -> dict[str, tuple[str, dataclasses.Field]]:
     """Every leaf key name -> (section, field). Names are unique across sections."""
     index: dict[str, tuple[str, dataclasses.Field]] = {}
@@ -182,52 +348,12 @@ def key_index() -> dict[str, tuple[str, dataclasses.Field]]:
     return index
 
 
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against the type hint of ``key``; return it (ints widen to floats)."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(key, value, arg)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: {value!r} is not a valid value ({'; '.join(errors)})")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [coerce(key, v, args[0]) for v in value]
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported type {hint}")
+def hint_of(key: str) -> Any:
+    """The type hint of a leaf key (``name`` is a string)."""
+    if key == "name":
+        return str
+    section, _ = key_index()[key]
+    return typing.get_type_hints(SECTIONS[section])[key]
 
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
@@ -240,9 +366,7 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
     if key not in index:
         raise ConfigError(f"unknown config key {key!r}")
     section, f = index[key]
-    obj = getattr(cfg, section)
-    hint = _type_hints(type(obj))[f.name]
-    setattr(obj, f.name, coerce(key, value, hint))
+    setattr(getattr(cfg, section), key, coerce(key, value, hint_of(key), f.metadata.get("expect")))
 
 
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
@@ -277,7 +401,8 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"{path}: config file not found") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    raw.setdefault("name", path.stem)
+    if isinstance(raw, dict):
+        raw.setdefault("name", path.stem)
     return from_dict(raw, str(path))
 
 
@@ -289,86 +414,68 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def validate(cfg: Config) -> None:
-    """Cross-field checks that no single type hint can express."""
-    for key, allowed in CHOICES.items():
-        section, _ = key_index()[key]
-        value = getattr(getattr(cfg, section), key)
-        if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-    d, m, t, df = cfg.data, cfg.model, cfg.train, cfg.diffusion
-    if isinstance(t.batch_size, str):
-        if t.batch_size != "auto":
-            raise ConfigError(f"batch_size: expected a positive integer or auto, got {t.batch_size!r}")
-        if t.effective_batch is None:
-            raise ConfigError("batch_size: auto needs effective_batch (the batch_size × accum to keep)")
-    elif t.effective_batch is not None and t.batch_size * t.gradient_accumulate_every != t.effective_batch:
-        raise ConfigError(
-            f"effective_batch: {t.effective_batch} is not batch_size {t.batch_size} × accum {t.gradient_accumulate_every}"
-        )
-    if t.effective_batch is not None and t.effective_batch < 1:
-        raise ConfigError(f"effective_batch: must be at least 1, got {t.effective_batch}")
-    positive = {
-        **({"batch_size": t.batch_size} if isinstance(t.batch_size, int) else {}),
-        "max_batch": t.max_batch,
-        "gradient_accumulate_every": t.gradient_accumulate_every,
-        "train_num_steps": t.train_num_steps,
-        "timesteps": df.timesteps,
-        "sampling_steps": df.sampling_steps,
-        "save_every": t.save_every,
-        "sample_every": t.sample_every,
-        "log_every": t.log_every,
-        "ema_update_every": t.ema_update_every,
-        "keep_last": t.keep_last,
-        "max_nonfinite_steps": t.max_nonfinite_steps,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be at least 1, got {value}")
-    if t.lr <= 0:
-        raise ConfigError(f"lr: must be positive, got {t.lr}")
-    if not 0.0 <= t.ema_decay < 1.0:
-        raise ConfigError(f"ema_decay: must be in [0, 1), got {t.ema_decay}")
-    if len(d.image_size) != 3 or min(d.image_size) < 1:
-        raise ConfigError(f"image_size: expected three positive sizes, got {d.image_size}")
-    factor = 2 ** (len(m.channels) - 1)
-    if any(s % factor for s in d.image_size):
-        raise ConfigError(
-            f"image_size: {d.image_size} must be divisible by {factor} (2^(levels-1) for {len(m.channels)} levels)"
-        )
-    if len(m.attention_levels) != len(m.channels):
-        raise ConfigError("attention_levels: needs one entry per entry of channels")
-    if any(c % m.norm_num_groups for c in m.channels):
-        raise ConfigError(f"channels: each must be divisible by norm_num_groups={m.norm_num_groups}")
-    if not d.labels and m.with_condition:
-        raise ConfigError("labels: at least one label is needed with with_condition")
-    if len(set(d.labels)) != len(d.labels) or 0 in d.labels:
-        raise ConfigError(f"labels: must be distinct and non-zero, got {d.labels}")
-    if d.spacing is not None and (len(d.spacing) != 3 or min(d.spacing) <= 0):
-        raise ConfigError(f"spacing: expected three positive values, got {d.spacing}")
-    if len(d.intensity_range) != 2 or d.intensity_range[0] >= d.intensity_range[1]:
-        raise ConfigError(f"intensity_range: expected [low, high] with low < high, got {d.intensity_range}")
-    if not 0 <= d.lower_percentile < d.upper_percentile <= 100:
-        raise ConfigError("lower_percentile/upper_percentile: need 0 <= lower < upper <= 100")
-    if d.output_intensity == "source" and d.intensity != "range":
-        raise ConfigError("output_intensity: source needs intensity: range (percentile scaling has no fixed source range)")
-    if len(t.adam_betas) != 2:
-        raise ConfigError("adam_betas: expected two values")
-    flow = df.prediction == "flow"
-    if flow != (df.sampler in ("euler", "heun")):
-        kind = "euler or heun" if flow else "ddim, ddpm or dpmpp2m"
-        raise ConfigError(f"sampler: {df.sampler!r} does not fit prediction {df.prediction!r} (use {kind})")
-    if flow and df.min_snr_gamma is not None:
-        raise ConfigError("min_snr_gamma: applies to Gaussian diffusion (eps / v / x0), not to prediction: flow")
-    if df.flow_shift is not None and df.flow_shift <= 0:
-        raise ConfigError(f"flow_shift: must be positive, got {df.flow_shift}")
-    if not 0.0 <= df.cond_drop_prob < 1.0:
-        raise ConfigError(f"cond_drop_prob: must be in [0, 1), got {df.cond_drop_prob}")
-    if df.guidance_scale < 0:
-        raise ConfigError(f"guidance_scale: must be at least 0, got {df.guidance_scale}")
-    if df.guidance_scale != 1.0 and not m.with_condition:
-        raise ConfigError("guidance_scale: needs with_condition (there is no condition to guide by)")
-
-
 def results_dir(cfg: Config) -> Path:
     return Path(cfg.train.results_dir or f"runs/{cfg.name}")
+
+
+# ---- the command line: one flag per key --------------------------------------------------------------
+def show(value: Any) -> str:
+    """A value as it is typed on the command line or in YAML (null, true, [1, 2])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    return str(value) if value != "" else '""'
+
+
+def _metavar(hint: Any) -> str:
+    if _is_union(hint):
+        return "|".join(_metavar(arm) for arm in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return "{" + ",".join(choices) + "}" if len(choices) > 1 else choices[0]
+    if typing.get_origin(hint) is list:
+        return f"[{_metavar(typing.get_args(hint)[0])},...]"
+    return {type(None): "null"}.get(hint) or hint.__name__.upper()
+
+
+def _help(f: dataclasses.Field, section: str, shipped: Config | None) -> str:
+    """Meaning and default (the choices are in the metavar: ``--sampler {ddim,ddpm,...}``)."""
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    text = f"{f.metadata['help']} (default: {show(default)}"
+    if shipped is not None and getattr(getattr(shipped, section), f.name) != default:
+        text += f"; the default config sets {show(getattr(getattr(shipped, section), f.name))}"
+    return (text + ")").replace("%", "%%")  # argparse formats help with %
+
+
+def add_arguments(parser: argparse.ArgumentParser, shipped: Config | None = None) -> None:
+    """One flag per key (``--batch_size 2``; booleans also ``--no_with_condition``), grouped by section,
+    each with its meaning, default (and the value ``shipped``, the default config, sets) and choices
+    (in the metavar, as argparse shows them).
+    Values stay text here: ``apply_arguments`` reads them as YAML and type-checks them."""
+    for alias, target in ALIASES.items():
+        parser.add_argument(f"--{alias}", dest=target, default=None, metavar="N", help=f"short for --{target}")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            text = _help(f, section, shipped)
+            if hints[f.name] is bool:
+                group.add_argument(f"--{f.name}", dest=f.name, nargs="?", const="true", default=None,
+                                   metavar="BOOL", help=text)
+                group.add_argument(f"--no_{f.name}", dest=f.name, action="store_const", const="false",
+                                   help=f"--{f.name} false")
+            else:
+                group.add_argument(f"--{f.name}", dest=f.name, default=None, metavar=_metavar(hints[f.name]),
+                                   help=text)
+    parser.add_argument("--name", default=None, help="run name (default: the config file's stem)")
+
+
+def apply_arguments(cfg: Config, args: argparse.Namespace) -> None:
+    """Set every key given on the command line (parsed as YAML, type-checked); ConfigError names the key."""
+    for name in [*key_index(), "name"]:
+        value = getattr(args, name, None)
+        if value is not None:
+            set_key(cfg, name, parse_value(value))

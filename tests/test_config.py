@@ -1,10 +1,15 @@
-"""Config validation of the recipe keys: objective and sampler must fit, guidance needs a condition."""
+"""The config layer: sections, YAML, typed values and choices, --help, the checks of each section and the
+cross-section ones (objective and sampler must fit, guidance needs a condition), effective_batch."""
 
 from __future__ import annotations
+
+import dataclasses
+import typing
 
 import pytest
 
 from conftest import ROOT, configure
+from diffusion3d import cli
 from diffusion3d import config as C
 
 
@@ -26,3 +31,181 @@ def test_bad_recipe_combinations_are_refused(values, message):
 def test_shipped_configs_are_valid():
     for name in ("default", "whole_head_128"):
         C.validate(C.load(ROOT / "diffusion3d" / "configs" / f"{name}.yaml"))
+
+
+# ---- reading configs: sections, YAML, typed values -------------------------------------------------
+def test_unknown_section_and_key_are_refused_naming_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 0.1\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(path)
+    assert str(e.value) == f"{path}: unknown section 'optim' (expected one of data, model, diffusion, train)"
+    path.write_text("train:\n  learning_rate: 0.1\n")
+    with pytest.raises(C.ConfigError, match=r"unknown key 'learning_rate' in section 'train'"):
+        C.load(path)
+    with pytest.raises(C.ConfigError, match="^unknown config key 'learning_rate'$"):
+        C.set_key(C.Config(), "learning_rate", 0.1)
+
+
+def test_yaml_syntax_error_is_one_line_naming_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  lr: [0.1\n  seed: 3\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: not valid YAML (") and "\n" not in message
+    with pytest.raises(C.ConfigError, match="config file not found"):
+        C.load(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("key, text, expected", [
+    ("train_num_steps", "7", 7),
+    ("lr", "1e-5", 1e-5),             # YAML 1.1 reads this as a string; a float field takes it
+    ("lr", "2", 2.0),                 # ints widen to floats
+    ("labels", "[1,2,4]", [1, 2, 4]),
+    ("spacing", "[1, 1.5, 2]", [1.0, 1.5, 2.0]),
+    ("spacing", "null", None),
+    ("max_volume_gb", "null", None),
+    ("with_condition", "false", False),
+    ("image_dir", "[a, b]", ["a", "b"]),
+    ("image_dir", "images", "images"),
+    ("batch_size", "auto", "auto"),
+    ("batch_size", "3", 3),
+    ("accum", "4", 4),                # alias of gradient_accumulate_every
+])
+def test_typed_values_are_coerced(key, text, expected):
+    cfg = C.Config()
+    C.set_key(cfg, key, C.parse_value(text))
+    section, _ = C.key_index()[C.ALIASES.get(key, key)]
+    value = getattr(getattr(cfg, section), C.ALIASES.get(key, key))
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("key, text, message", [
+    ("train_num_steps", "two", "train_num_steps: expected an integer, got 'two'"),
+    ("train_num_steps", "2.5", "train_num_steps: expected an integer, got 2.5"),
+    ("lr", "fast", "lr: expected a number, got 'fast'"),
+    ("lr", "true", "lr: expected a number, got True"),
+    ("with_condition", "1", "with_condition: expected true or false, got 1"),
+    ("labels", "3", "labels: expected a list, got 3"),
+    ("labels", "[1,x]", "labels: expected an integer, got 'x'"),
+    ("labels", "null", "labels: expected a list, got None"),
+    ("spacing", "[1,x,2]", "spacing: expected a number, got 'x'"),
+    ("spacing", "wide", "spacing: expected a list or null, got 'wide'"),
+    ("batch_size", "big", "batch_size: expected a positive integer or auto, got 'big'"),
+    ("name", "[a]", "name: expected a string, got ['a']"),
+])
+def test_badly_typed_values_are_refused_in_one_line(key, text, message):
+    with pytest.raises(C.ConfigError) as e:
+        C.set_key(C.Config(), key, C.parse_value(text))
+    assert str(e.value) == message
+
+
+def _literal_keys() -> list[tuple[str, tuple[str, ...]]]:
+    keys = []
+    for name in C.key_index():
+        hint = C.hint_of(name)
+        if typing.get_origin(hint) is typing.Literal and len(typing.get_args(hint)) > 1:
+            keys.append((name, typing.get_args(hint)))
+    return keys
+
+
+def test_every_choice_key_is_typed():
+    """The keys with a fixed set of values carry it in their type (no separate CHOICES table)."""
+    assert {name for name, _ in _literal_keys()} == {
+        "unknown_labels", "intensity", "output_intensity", "resize_mode", "cache", "schedule", "prediction",
+        "loss", "sampler", "flow_time_sampling", "lr_schedule", "precision"}
+
+
+@pytest.mark.parametrize("key, choices", _literal_keys())
+def test_choices_are_refused_naming_the_key_and_the_allowed_values(key, choices):
+    with pytest.raises(C.ConfigError) as e:
+        C.set_key(C.Config(), key, "nope")
+    assert str(e.value) == f"{key}: 'nope' is not one of {', '.join(choices)}"
+    # a section built directly (not through set_key) checks itself too
+    section, _ = C.key_index()[key]
+    with pytest.raises(C.ConfigError, match=f"^{key}: 'nope' is not one of"):
+        C.SECTIONS[section](**{key: "nope"}).validate()
+
+
+def test_choice_on_the_command_line_exits_2_with_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.run(["--sampler", "euler_a"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "train.py: error: sampler: 'euler_a' is not one of ddim, ddpm, dpmpp2m, euler, heun"
+    assert len(err) == 2 and err[0].startswith("usage: train.py")  # a one-line usage, then the error
+
+
+def test_sections_check_their_own_bounds():
+    with pytest.raises(C.ConfigError, match="^keep_last: must be at least 1, got 0$"):
+        C.TrainConfig(keep_last=0).validate()
+    with pytest.raises(C.ConfigError, match="^labels: must be distinct and non-zero"):
+        C.DataConfig(labels=[1, 1]).validate()
+    with pytest.raises(C.ConfigError, match="^attention_levels: needs one entry per entry of channels$"):
+        C.ModelConfig(channels=[8, 16], attention_levels=[True]).validate()
+    section = C.DataConfig(lower_percentile=1)  # an int given where a float is meant: widened in place
+    section.validate()
+    assert type(section.lower_percentile) is float
+
+
+# ---- --help ----------------------------------------------------------------------------------------
+def test_help_lists_every_key_with_its_meaning_default_and_choices():
+    text = " ".join(cli.build_parser().format_help().split())  # what train.py --help prints; argparse wraps lines
+    for name, (section, f) in C.key_index().items():
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        meaning = " ".join(f.metadata["help"].split())
+        assert f"--{name} " in text, name
+        assert f"{meaning} (default: {C.show(default)}" in text, name
+    for name, choices in _literal_keys():
+        assert f"--{name} {{{','.join(choices)}}} " in text, name
+    assert "--batch_size INT|auto " in text and "--spacing [FLOAT,...]|null " in text
+    assert "--no_with_condition" in text and "--accum N short for --gradient_accumulate_every" in text
+    assert "(default: eps; the default config sets flow)" in text  # configs/default.yaml's own values too
+
+
+# ---- image channels: recorded by discovery, never read from files by the config --------------------
+def test_image_channels_come_from_the_config_not_from_files(tmp_path):
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("case,image_0,image_1,mask\n")
+    cfg = C.Config()
+    C.set_key(cfg, "manifest", str(manifest))
+    assert cfg.image_channels == 1  # not the manifest's two columns: only discovery looks at files
+    C.set_key(cfg, "image_dir", ["a", "b", "c"])
+    assert cfg.image_channels == 3  # before discovery (and for old checkpoints): one per folder
+    C.set_key(cfg, "image_channels", 2)
+    assert cfg.image_channels == 2
+    # a checkpoint's config from before the key existed still loads
+    old = C.Config().to_dict()
+    del old["data"]["image_channels"]
+    restored = C.from_dict(old)
+    restored.validate()
+    assert restored.image_channels == 1
+
+
+# ---- effective_batch: samples per optimizer step over all processes --------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("effective, max_batch", [(4, 1), (12, 4), (8, 64), (6, 5)])
+def test_every_planned_split_validates_and_loads(world, effective, max_batch):
+    """What --batch_size auto writes into the config on any number of processes is a valid config when
+    it is read back (as resume and the sample command do), and matches that number of processes."""
+    from diffusion3d.memory import plan_accumulation
+
+    if effective % world:
+        return
+    cfg = configure(C.Config(), batch_size="auto", effective_batch=effective)
+    cfg.train.batch_size, cfg.train.gradient_accumulate_every = plan_accumulation(effective // world, max_batch)
+    cfg.train.check_processes(world)
+    restored = C.from_dict(cfg.to_dict(), "checkpoint")
+    restored.validate()
+    assert restored.train.batch_size * restored.train.gradient_accumulate_every * world == effective
+
+
+def test_fixed_split_must_match_the_number_of_processes():
+    cfg = configure(C.Config(), batch_size=2, gradient_accumulate_every=2, effective_batch=8)  # 2 processes
+    cfg.train.check_processes(2)
+    with pytest.raises(C.ConfigError) as e:
+        cfg.train.check_processes(1)
+    assert str(e.value).startswith("effective_batch: 8 is not batch_size 2 × accum 2 × 1 process(es) = 4")
+    with pytest.raises(C.ConfigError, match="effective_batch: 6 is not batch_size 2 × accum 2 × a number of processes"):
+        configure(C.Config(), batch_size=2, gradient_accumulate_every=2, effective_batch=6)

@@ -13,10 +13,13 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from monai.data import MetaTensor
+from monai.transforms import LoadImaged
 
 from conftest import ROOT, SHARED_DATA, configure, make_dataset, phantom, write_nifti
 from diffusion3d import config as C
 from diffusion3d import data as D
+from diffusion3d.data.discovery import _image_columns
 
 SIZE = 16
 
@@ -282,7 +285,7 @@ def test_modality_folders_stack_in_configured_order(tmp_path):
     seg = _modalities(tmp_path, ["t1", "t2", "flair"], [0.0, 10.0, 20.0])
     dirs = [str(tmp_path / n) for n in ("flair", "t1", "t2")]
     cfg = make_cfg(tmp_path, image_dir=dirs, mask_dir=str(seg), intensity="none")
-    assert len(run_checks(cfg)) == 2
+    assert len(run_checks(cfg)) == 2 and cfg.data.image_channels == 3
     base = float(phantom(SIZE, 0)[0].mean())
     assert _channel_means(cfg) == pytest.approx([base + 20, base, base + 10], abs=1e-4)
     cfg.data.image_dir = dirs[::-1]
@@ -305,9 +308,16 @@ def test_manifest_single_and_numbered_image_columns(tmp_path):
     cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none", image_dir=["t1", "t2"])
     base = float(phantom(SIZE, 0)[0].mean())
     assert _channel_means(cfg) == pytest.approx([base, base + 10], abs=1e-4)
-    # with a manifest the model's image channels follow its image columns, whatever image_dir says
+    # with a manifest the model's image channels follow its image columns, whatever image_dir says;
+    # discovery finds them (the config reads no file) and records them in the config
     cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none")
-    assert cfg.image_channels == 2 and len(D.discover(cfg)[0].images) == 2
+    assert cfg.image_channels == 1 and cfg.data.image_channels is None
+    assert len(D.discover(cfg)[0].images) == 2
+    assert cfg.image_channels == 2 and cfg.to_dict()["data"]["image_channels"] == 2
+    # a count set by hand is checked against what discovery finds
+    cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none", image_channels=3)
+    with pytest.raises(D.DataError, match=r"^\S*multi.csv: 2 image channel\(s\) per case, but image_channels is set to 3$"):
+        D.discover(cfg)
 
 
 def test_manifest_errors_name_the_file(tmp_path):
@@ -321,7 +331,7 @@ def test_manifest_errors_name_the_file(tmp_path):
     manifest.write_text("case,image,mask\nc0,t1/c0.nii.gz,seg/c0.nii.gz\nc0,t1/c1.nii.gz,seg/c1.nii.gz\n")
     with pytest.raises(D.DataError, match="listed twice"):
         D.discover(cfg)
-    assert D._image_columns(["case", "image_10", "image_2", "image_0", "mask"]) == ["image_0", "image_2", "image_10"]
+    assert _image_columns(["case", "image_10", "image_2", "image_0", "mask"]) == ["image_0", "image_2", "image_10"]
 
 
 def test_unconditional_needs_images_only(tmp_path):
@@ -349,7 +359,7 @@ def test_intensity_per_volume_and_per_channel(tmp_path):
     out = D.training_transforms(cfg)({"image": [str(tmp_path / "a" / "c.nii.gz"), str(tmp_path / "b" / "c.nii.gz")],
                                       "mask": str(tmp_path / "m" / "c.nii.gz")})
     image = out["image"]
-    assert image.shape == (2, SIZE, SIZE, SIZE) and not isinstance(image, D.MetaTensor)
+    assert image.shape == (2, SIZE, SIZE, SIZE) and not isinstance(image, MetaTensor)
     expected = torch.from_numpy(2 * (ramp - ramp.min()) / (ramp.max() - ramp.min()) - 1)
     for c in range(2):
         assert float(image[c].min()) == -1.0 and float(image[c].max()) == pytest.approx(1.0)
@@ -385,7 +395,7 @@ def test_disk_cache_equals_memory_cache_and_is_read_back(tmp_path, monkeypatch):
     def no_decoding(self, data, reader=None):
         raise AssertionError("decoded again instead of read from the disk cache")
 
-    monkeypatch.setattr(D.LoadImaged, "__call__", no_decoding)
+    monkeypatch.setattr(LoadImaged, "__call__", no_decoding)
     again = D.build_dataset(cases, cfg, tmp_path / "cache")
     for i in range(3):
         torch.testing.assert_close(D.plain(again[i])["image"], D.plain(memory[i])["image"], atol=0, rtol=0)
@@ -422,7 +432,7 @@ def _draw(dataset, cfg, stream, batch_size: int, count: int, rank: int = 0, worl
     ids, images = [], []
     while len(ids) < count:
         batch = next(loader)
-        assert batch["image"].shape[0] == batch_size and not isinstance(batch["image"], D.MetaTensor)
+        assert batch["image"].shape[0] == batch_size and not isinstance(batch["image"], MetaTensor)
         ids += [int(k) for k in batch["sample_id"]]
         images += list(batch["image"])
     return ids, images

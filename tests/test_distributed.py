@@ -283,6 +283,39 @@ def test_train_py_under_torchrun_then_resumed_in_one_process(tmp_path):
     assert ckpt.load(run / "checkpoints" / "step_00000003.pt")["samples_seen"] == 6
 
 
+def test_batch_size_auto_under_torchrun_writes_a_checkpoint_that_samples(tmp_path):
+    """effective_batch is global: 2 processes plan batch_size × accum = effective_batch / 2, and the
+    checkpoint they write (batch_size 1, accum 2, effective_batch 4) loads for sampling (it used to be
+    refused for not being batch_size × accum)."""
+    from conftest import make_dataset
+
+    images, masks = make_dataset(tmp_path / "data", n=6, size=16)
+    run = tmp_path / "run"
+    flags = ["--image_dir", str(images), "--mask_dir", str(masks), "--image_size", "[16,16,16]",
+             "--channels", "[8,16]", "--attention_levels", "[false,true]", "--num_head_channels", "8",
+             "--norm_num_groups", "4", "--timesteps", "50", "--batch_size", "auto", "--effective_batch", "4",
+             "--max_batch", "1", "--num_val_cases", "1", "--device", "cpu", "--quiet", "--intensity", "range",
+             "--train_num_steps", "1", "--save_every", "1", "--sample_every", "100", "--results_dir", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           "train.py", *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    state = ckpt.load(run / "checkpoints" / "step_00000001.pt")
+    train = state["config"]["train"]
+    assert (train["batch_size"], train["gradient_accumulate_every"], train["effective_batch"]) == (1, 2, 4)
+    assert state["samples_seen"] == 4  # one step of the global effective batch
+
+    out = tmp_path / "samples"
+    sample = subprocess.run([sys.executable, "-m", "diffusion3d.sample", "--checkpoint", str(run), "--masks",
+                             str(masks / "case_000.nii.gz"), "--out", str(out), "--steps", "2", "--device", "cpu",
+                             "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert sample.returncode == 0, sample.stderr[-3000:]
+    assert (out / "case_000_sample0.nii.gz").is_file()
+
+
 # ---- torchrun worker ---------------------------------------------------------------------------------
 def _worker_train(job: Path) -> None:
     info = distributed.setup("cpu")

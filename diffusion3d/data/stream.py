@@ -1,0 +1,86 @@
+"""The deterministic endless stream and its loader.
+
+The k-th sample of a run (which case it is) depends only on ``(seed, k)``: one seeded permutation of the
+training cases per epoch. Micro-batches are cut from that sequence, so batch_size × accum × world_size is
+a free split of the same samples, and the stream position (``samples_seen``) is all a resume needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..diffusion import SALT_PERMUTATION, derive_seed
+from .transforms import plain
+
+
+class SampleStream:
+    """Endless sequence of case indices: sample k is ``perm(seed, k // n)[k % n]``."""
+
+    def __init__(self, num_cases: int, seed: int, samples_seen: int = 0) -> None:
+        if num_cases < 1:
+            raise ValueError("the stream needs at least one case")
+        self.num_cases = num_cases
+        self.seed = seed
+        self.samples_seen = samples_seen
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+
+    def index(self, k: int) -> int:
+        epoch, pos = divmod(k, self.num_cases)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, SALT_PERMUTATION, epoch))
+            self._perm = torch.randperm(self.num_cases, generator=g).tolist()
+            self._perm_epoch = epoch
+        return self._perm[pos]
+
+    @property
+    def epoch(self) -> int:
+        return self.samples_seen // self.num_cases
+
+    def micro_batch_ids(self, micro: int, batch_size: int, rank: int = 0, world_size: int = 1) -> list[int]:
+        """Sample ids of micro-batch ``micro`` (counted from samples_seen) on ``rank``."""
+        start = self.samples_seen + (micro * world_size + rank) * batch_size
+        return list(range(start, start + batch_size))
+
+
+class _StreamView(torch.utils.data.Dataset):
+    def __init__(self, dataset, stream: SampleStream) -> None:
+        self.dataset, self.stream = dataset, stream
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, k: int) -> dict[str, Any]:
+        item = plain(self.dataset[self.stream.index(k)])
+        item["sample_id"] = k
+        return item
+
+
+class _MicroBatches(torch.utils.data.Sampler):
+    def __init__(self, stream: SampleStream, batch_size: int, rank: int, world_size: int) -> None:
+        self.stream, self.batch_size, self.rank, self.world_size = stream, batch_size, rank, world_size
+        self.start = stream.samples_seen
+
+    def __iter__(self) -> Iterator[list[int]]:
+        micro = 0
+        probe = SampleStream(self.stream.num_cases, self.stream.seed, self.start)
+        while True:
+            yield probe.micro_batch_ids(micro, self.batch_size, self.rank, self.world_size)
+            micro += 1
+
+
+def make_loader(dataset, stream: SampleStream, batch_size: int, cfg, pin_memory: bool, rank: int = 0, world_size: int = 1):
+    """An endless loader of micro-batches starting at ``stream.samples_seen``; the caller advances the stream."""
+    view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed))
+    workers = cfg.data.num_workers
+    return torch.utils.data.DataLoader(
+        view,
+        batch_sampler=_MicroBatches(stream, batch_size, rank, world_size),
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers > 0 else None,
+    )
