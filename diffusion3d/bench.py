@@ -18,6 +18,7 @@ counted too, since the device executes it). Achieved TFLOP/s = FLOPs per optimiz
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from . import config as C
 from . import configs
 from ._cli import InputError, OneLineParser, configure_logging, run_command
 from .data import SampleStream, build_dataset, discover, make_loader
-from .diffusion import make_diffusion
+from .diffusion import SAMPLERS, make_diffusion
 from .monitor import current_rss_bytes, peak_rss_bytes
 from .distributed import resolve_device
 from .memory import SyntheticCases, measure_step
@@ -51,7 +53,6 @@ from .sampling import ModelGridMask, generate
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
-SAMPLERS = ("ddpm", "ddim", "dpmpp2m")  # their default steps: diffusion.SAMPLER_STEPS
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s from NVIDIA's data sheets; the first name
 # found in torch.cuda.get_device_name() wins, so the more specific names come first.
@@ -280,7 +281,8 @@ def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg).to(device).eval()
     diffusion = make_diffusion(cfg)
-    steps = diffusion.timesteps if steps == 0 else steps or diffusion.default_steps(sampler)
+    configured = cfg.diffusion.sampling_steps if sampler == cfg.diffusion.sampler else None  # the config's own
+    steps = diffusion.timesteps if steps == 0 else steps or diffusion.default_steps(sampler, configured)
     run_steps = min(steps, max_steps) if max_steps else steps
     item = SyntheticCases(cfg, n=1, seed=cfg.train.seed)[0]
     grid = ModelGridMask(item["mask"] if cfg.model.with_condition else torch.zeros(1, *cfg.data.image_size))
@@ -385,8 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to measure: train, sampling, loader; or quality alone (time to quality: see "
                    "python -m diffusion3d.bench --parts quality --help)")
     p.add_argument("--loader", action="store_true", help="also measure the loader (cached vs uncached)")
-    p.add_argument("--sampling", default=",".join(SAMPLERS), help="samplers to time, or none")
-    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,dpmpp2m=20 (these are the defaults)")
+    p.add_argument("--sampling", default="auto", help="samplers to time (auto: all of the config's objective), or none")
+    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's sampling_steps for its sampler, else diffusion.SAMPLER_STEPS)")
     p.add_argument("--sampling_max_steps", type=int, default=None,
                    help="run at most this many steps and scale the time up (reported as extrapolated)")
     p.add_argument("--sampling_sizes", default=None, help="sizes for sampling (default: the smallest of --sizes)")
@@ -408,118 +410,186 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Check every input before anything runs; returns the resolved plan."""
-    base = C.load(configs.find(args.config))  # a ConfigError is bad input: one line, exit 2
-    C.validate(base)
+PARTS = ("train", "sampling", "loader", "startup")
+
+
+@dataclass
+class Plan:
+    """Every input resolved and checked before anything runs (the args themselves are never changed)."""
+
+    base: C.Config
+    device: torch.device
+    precisions: list[str]
+    sizes: list[int]
+    batch_sizes: list[int]
+    accums: list[int]
+    checkpointing: list[bool]
+    parts: set[str]
+    samplers: list[str]
+    sampling_steps: dict[str, int | None]
+    sampling_sizes: list[int]
+    loader_sizes: list[int]
+    isolate: bool
+    repeats: int
+    warmup: int
+    sampling_max_steps: int | None
+    threads: int | None
+
+
+def _comma_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _resolve_device(text: str) -> torch.device:
     try:
-        device = resolve_device(args.device)
+        return resolve_device(text)
     except (ValueError, RuntimeError) as e:
         raise InputError(f"--device: {e}") from None
+
+
+def _resolve_precisions(text: str, device: torch.device) -> list[str]:
     supported = supported_precisions(device)
-    precisions = supported if args.precisions == "auto" else [p.strip() for p in args.precisions.split(",") if p.strip()]
+    precisions = supported if text == "auto" else _comma_list(text)
     for p in precisions:
         if p not in supported:
             raise InputError(f"--precisions: {p} is not supported on {device.type} (supported: {', '.join(supported)})")
-    samplers = [] if args.sampling == "none" else [s.strip() for s in args.sampling.split(",") if s.strip()]
+    return precisions
+
+
+def _resolve_samplers(text: str, base: C.Config) -> list[str]:
+    """auto: every sampler of the config's objective (flow: euler, heun; Gaussian: ddpm, ddim, dpmpp2m)."""
+    fitting = make_diffusion(base).samplers
+    if text == "auto":
+        return list(fitting)
+    samplers = [] if text == "none" else _comma_list(text)
     for s in samplers:
         if s not in SAMPLERS:
-            raise InputError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(SAMPLERS)} or none)")
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()} | ({"loader"} if args.loader else set())
-    if parts - {"train", "sampling", "loader", "startup"}:
-        raise InputError(f"--parts: unknown part(s) {', '.join(sorted(parts - {'train', 'sampling', 'loader', 'startup'}))}")
-    if args.json:
-        folder = Path(args.json).resolve().parent
-        if not folder.is_dir():
-            raise InputError(f"{args.json}: folder {folder} does not exist")
-    if args.quick:
-        args.repeats, args.warmup = 1, 1
-        args.sampling_max_steps = args.sampling_max_steps or 4
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InputError(f"--threads: must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+            raise InputError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(fitting)}, auto or none)")
+        if s not in fitting:
+            raise InputError(f"--sampling: {s} does not fit prediction {base.diffusion.prediction} "
+                             f"(choose from {', '.join(fitting)}, auto or none)")
+    return samplers
+
+
+def _resolve_parts(args: argparse.Namespace) -> set[str]:
+    parts = set(_comma_list(args.parts)) | ({"loader"} if args.loader else set())
+    if parts - set(PARTS):
+        raise InputError(f"--parts: unknown part(s) {', '.join(sorted(parts - set(PARTS)))}")
+    return parts
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    if args.threads is not None and args.threads < 1:
+        raise InputError(f"--threads: must be at least 1, got {args.threads}")
     if args.repeats < 1 or args.warmup < 0:
         raise InputError("--repeats must be at least 1 and --warmup at least 0")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise InputError(f"{args.json}: folder {Path(args.json).resolve().parent} does not exist")
+
+
+def resolve_args(args: argparse.Namespace) -> Plan:
+    """Check every input before anything runs; returns the resolved plan."""
+    base = C.load(configs.find(args.config))  # a ConfigError is bad input: one line, exit 2
+    C.validate(base)
+    device = _resolve_device(args.device)
+    _check_counts(args)
     sizes = _int_list(args.sizes, "sizes")
-    return {
-        "base": base,
-        "device": device,
-        "precisions": precisions,
-        "sizes": sizes,
-        "batch_sizes": _int_list(args.batch_size, "batch_size") if args.batch_size else [base.train.batch_size],
-        "accums": _int_list(args.accum, "accum") if args.accum else [base.train.gradient_accumulate_every],
-        "checkpointing": {"both": [False, True], "on": [True], "off": [False]}[args.checkpointing],
-        "parts": parts,
-        "samplers": samplers,
-        "sampling_steps": _sampling_steps(args.sampling_steps),
-        "sampling_sizes": _int_list(args.sampling_sizes, "sampling_sizes") if args.sampling_sizes else [min(sizes)],
-        "loader_sizes": _int_list(args.loader_sizes, "loader_sizes") if args.loader_sizes else sizes,
-        "isolate": args.isolate == "on" or (args.isolate == "auto" and device.type == "cpu"),
-    }
+    return Plan(
+        base=base, device=device, precisions=_resolve_precisions(args.precisions, device), sizes=sizes,
+        batch_sizes=_int_list(args.batch_size, "batch_size") if args.batch_size else [base.train.batch_size],
+        accums=_int_list(args.accum, "accum") if args.accum else [base.train.gradient_accumulate_every],
+        checkpointing={"both": [False, True], "on": [True], "off": [False]}[args.checkpointing],
+        parts=_resolve_parts(args), samplers=_resolve_samplers(args.sampling, base),
+        sampling_steps=_sampling_steps(args.sampling_steps),
+        sampling_sizes=_int_list(args.sampling_sizes, "sampling_sizes") if args.sampling_sizes else [min(sizes)],
+        loader_sizes=_int_list(args.loader_sizes, "loader_sizes") if args.loader_sizes else sizes,
+        isolate=args.isolate == "on" or (args.isolate == "auto" and device.type == "cpu"),
+        repeats=1 if args.quick else args.repeats, warmup=1 if args.quick else args.warmup,
+        sampling_max_steps=args.sampling_max_steps or (4 if args.quick else None), threads=args.threads,
+    )
+
+
+class _Data:
+    """Synthetic NIfTI cases per grid size, written once into the benchmark's temp folder."""
+
+    def __init__(self, work: Path, base: C.Config) -> None:
+        self.work, self.base, self.sets = work, base, {}
+
+    def __call__(self, size: int) -> tuple[list[Path], Path]:
+        if size not in self.sets:
+            self.sets[size] = write_synthetic_cases(self.work / f"data_{size}", size, 4, self.base.data.labels,
+                                                    self.base.image_channels)
+        return self.sets[size]
+
+
+def _bench_train(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
+    rows = []
+    estimate = plan.device.type == "cpu" and not args.no_estimate
+    for size, precision, ckpt, bs, accum in itertools.product(plan.sizes, plan.precisions, plan.checkpointing,
+                                                              plan.batch_sizes, plan.accums):
+        cfg = bench_config(plan.base, size, data(size), precision, ckpt, bs, accum)
+        progress(f"train {size}³ {precision} checkpointing={'on' if ckpt else 'off'} batch {bs} × accum {accum}")
+        if plan.isolate:
+            r = run_isolated(cfg, plan.device, plan.warmup, plan.repeats, estimate, data.work)
+        else:
+            r = measure_training(cfg, plan.device, plan.warmup, plan.repeats, estimate)
+            if plan.device.type == "cpu":
+                r["mem_kind"] = "process_peak_rss_shared"  # the same process ran earlier configs
+        rows.append({"size": size, "precision": precision, "checkpointing": ckpt, "batch_size": bs, "accum": accum, **r})
+    return rows
+
+
+def _bench_sampling(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
+    rows = []
+    for size, precision in itertools.product(plan.sampling_sizes, plan.precisions):
+        cfg = bench_config(plan.base, size, data(size), precision)
+        for sampler in plan.samplers:
+            progress(f"sampling {size}³ {precision} {sampler}")
+            r = measure_sampling(cfg, plan.device, sampler, plan.sampling_steps.get(sampler), plan.sampling_max_steps,
+                                 args.sampling_repeats)
+            rows.append({"size": size, "precision": precision, **r})
+    return rows
+
+
+def _bench_loader(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
+    rows = []
+    for size, cache in itertools.product(plan.loader_sizes, ("memory", "none")):
+        cfg = bench_config(plan.base, size, data(size), batch_size=plan.batch_sizes[0], cache=cache)
+        progress(f"loader {size}³ cache={cache}")
+        rows.append({"size": size, **measure_loader(cfg, plan.warmup, max(plan.repeats, 2))})
+    return rows
+
+
+def _bench_startup(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
+    """Validation + cache of --startup_cases synthetic cases at --startup_size³, per worker count."""
+    size, rows = args.startup_size, []
+    folders = write_synthetic_cases(data.work / "startup", size, args.startup_cases, plan.base.data.labels,
+                                    plan.base.image_channels)
+    for workers in _int_list(args.startup_workers, "startup_workers"):
+        progress(f"start-up {args.startup_cases} cases at {size}³, {workers} workers")
+        rows.append({"size": size, **measure_startup(bench_config(plan.base, size, folders), workers)})
+    return rows
 
 
 def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     plan = resolve_args(args)
-    base, device = plan["base"], plan["device"]
+    if plan.threads is not None:
+        torch.set_num_threads(plan.threads)
     report: dict[str, Any] = {
-        "machine": machine_info(device),
+        "machine": machine_info(plan.device),
         "settings": {
-            "config": str(configs.find(args.config)), "channels": base.model.channels,
-            "attention_levels": base.model.attention_levels, "repeats": args.repeats, "warmup": args.warmup,
-            "quick": args.quick, "isolated": plan["isolate"], "sampling_max_steps": args.sampling_max_steps,
+            "config": str(configs.find(args.config)), "channels": plan.base.model.channels,
+            "attention_levels": plan.base.model.attention_levels, "repeats": plan.repeats, "warmup": plan.warmup,
+            "quick": args.quick, "isolated": plan.isolate, "sampling_max_steps": plan.sampling_max_steps,
         },
         "train": [], "sampling": [], "loader": [],
     }
+    parts = {"train": _bench_train, "sampling": _bench_sampling, "loader": _bench_loader, "startup": _bench_startup}
     with tempfile.TemporaryDirectory(prefix="d3d_bench_") as tmp:
-        work = Path(tmp)
-        datasets: dict[int, tuple[list[Path], Path]] = {}
-
-        def data(size: int) -> tuple[list[Path], Path]:
-            if size not in datasets:
-                datasets[size] = write_synthetic_cases(work / f"data_{size}", size, 4, base.data.labels, base.image_channels)
-            return datasets[size]
-
-        if "train" in plan["parts"]:
-            for size in plan["sizes"]:
-                for precision in plan["precisions"]:
-                    for ckpt in plan["checkpointing"]:
-                        for bs in plan["batch_sizes"]:
-                            for accum in plan["accums"]:
-                                cfg = bench_config(base, size, data(size), precision, ckpt, bs, accum)
-                                progress(f"train {size}³ {precision} checkpointing={'on' if ckpt else 'off'} batch {bs} × accum {accum}")
-                                estimate = device.type == "cpu" and not args.no_estimate
-                                if plan["isolate"]:
-                                    r = run_isolated(cfg, device, args.warmup, args.repeats, estimate, work)
-                                else:
-                                    r = measure_training(cfg, device, args.warmup, args.repeats, estimate)
-                                    if device.type == "cpu":
-                                        r["mem_kind"] = "process_peak_rss_shared"  # the same process ran earlier configs
-                                report["train"].append({"size": size, "precision": precision, "checkpointing": ckpt,
-                                                        "batch_size": bs, "accum": accum, **r})
-        if "sampling" in plan["parts"]:
-            for size in plan["sampling_sizes"]:
-                for precision in plan["precisions"]:
-                    cfg = bench_config(base, size, data(size), precision)
-                    for sampler in plan["samplers"]:
-                        progress(f"sampling {size}³ {precision} {sampler}")
-                        r = measure_sampling(cfg, device, sampler, plan["sampling_steps"][sampler],
-                                             args.sampling_max_steps, args.sampling_repeats)
-                        report["sampling"].append({"size": size, "precision": precision, **r})
-        if "loader" in plan["parts"]:
-            for size in plan["loader_sizes"]:
-                for cache in ("memory", "none"):
-                    cfg = bench_config(base, size, data(size), batch_size=plan["batch_sizes"][0], cache=cache)
-                    progress(f"loader {size}³ cache={cache}")
-                    r = measure_loader(cfg, args.warmup, max(args.repeats, 2))
-                    report["loader"].append({"size": size, **r})
-        if "startup" in plan["parts"]:  # validation + cache of --startup_cases synthetic cases at --startup_size³
-            size = args.startup_size
-            folders = write_synthetic_cases(work / "startup", size, args.startup_cases, base.data.labels, base.image_channels)
-            for workers in _int_list(args.startup_workers, "startup_workers"):
-                progress(f"start-up {args.startup_cases} cases at {size}³, {workers} workers")
-                r = measure_startup(bench_config(base, size, folders), workers)
-                report.setdefault("startup", []).append({"size": size, **r})
+        data = _Data(Path(tmp), plan.base)
+        for name in PARTS:
+            if name in plan.parts:
+                report[name] = parts[name](plan, data, args, progress)
     report["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return report
 

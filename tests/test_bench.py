@@ -76,7 +76,8 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["--precisions", "fp16"], "fp16 is not supported on cpu"),
     (["--sizes", "16,x"], "--sizes"),
-    (["--sampling", "euler"], "unknown sampler"),
+    (["--sampling", "warp"], "unknown sampler"),
+    (["--sampling", "euler"], "euler does not fit prediction"),  # the test config is Gaussian: flow samplers do not fit
     (["--json", "/nonexistent/folder/out.json"], "does not exist"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, needle):
@@ -187,3 +188,15 @@ def test_planning_does_not_touch_the_callers_config(tmp_path):
     step_memory(cfg, 1)
     assert cfg.to_dict() == before
 
+
+
+def test_default_samplers_follow_the_configs_objective(tmp_path):
+    """--sampling auto (the default) times the samplers that fit the config: a flow config gets euler and heun."""
+    _, flow = _write_config(tmp_path / "f", prediction="flow", sampler="heun", loss="l2")
+    _, gauss = _write_config(tmp_path / "g")
+    args = bench.build_parser().parse_args(["--config", str(flow), "--device", "cpu", "--sizes", "16"])
+    assert bench.resolve_args(args).samplers == ["euler", "heun"]
+    args = bench.build_parser().parse_args(["--config", str(gauss), "--device", "cpu", "--sizes", "16", "--quick"])
+    plan = bench.resolve_args(args)
+    assert plan.samplers == ["ddim", "ddpm", "dpmpp2m"] or set(plan.samplers) == {"ddim", "ddpm", "dpmpp2m"}
+    assert (plan.repeats, plan.warmup, plan.sampling_max_steps) == (1, 1, 4) and args.repeats == 5  # args untouched
