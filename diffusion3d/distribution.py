@@ -2,7 +2,8 @@
 
 Features: a 3D ResNet in the MedicalNet layout (MONAI's ``resnet50(spatial_dims=3, n_input_channels=1,
 feed_forward=False, shortcut_type="B", bias_downsample=False)``, first convolution strided by 2 as
-MedicalNet's), global-average-pooled: 2048 numbers per volume for ResNet-50. The weights come from a local
+MedicalNet's, and by default layer3/layer4 dilated instead of strided, as MedicalNet computes),
+global-average-pooled: 2048 numbers per volume for ResNet-50. The weights come from a local
 file the user supplies (a MedicalNet checkpoint: ``{"state_dict": {"module.conv1.weight": ...}}``, or a plain
 state dict); nothing is downloaded. Each volume is first mapped to [0, 1] like every evaluation
 (``evalinputs.Scaling``), then, by default, normalised as MedicalNet was trained: mean 0 and standard
@@ -27,6 +28,7 @@ Distances:
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import zipfile
@@ -43,20 +45,45 @@ from .data import DataError
 log = logging.getLogger(__name__)
 FEATURE_NETWORKS = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet200")
 FEATURE_INPUTS = ("zscore", "unit")
+FEATURE_LAYOUTS = ("medicalnet", "monai")
 IGNORED_PREFIXES = ("conv_seg.", "fc.")  # MedicalNet's segmentation head, a classifier: not the feature path
 
 
 # ---- the feature network ---------------------------------------------------------------------------------
-def build_feature_network(name: str = "resnet50") -> torch.nn.Module:
-    """The MedicalNet layout of ``name`` (shortcut B and no downsample bias for 10/50/101/152/200, shortcut A
-    with bias for 18/34, as MONAI's MedicalNet loader requires), randomly initialised, in eval mode."""
+def build_feature_network(name: str = "resnet50", layout: str = "medicalnet") -> torch.nn.Module:
+    """The MedicalNet weight layout of ``name`` (shortcut B and no downsample bias for 10/50/101/152/200,
+    shortcut A for 18/34, as MONAI's MedicalNet loader requires), randomly initialised, in eval mode.
+
+    ``layout="medicalnet"`` computes as MedicalNet's own network (and the HA-GAN / WDM evaluation scripts built
+    on it): layer3 and layer4 keep the resolution and dilate their 3×3×3 convolutions by 2 and 4. MONAI's
+    ResNet (``layout="monai"``) strides them instead: the same weights, a 64× coarser last feature map (1³ for
+    a 32³ input, where MedicalNet's is 4³), so different features."""
     if name not in FEATURE_NETWORKS:
         raise ValueError(f"feature network {name!r}: expected one of {', '.join(FEATURE_NETWORKS)}")
+    if layout not in FEATURE_LAYOUTS:
+        raise ValueError(f"feature layout {layout!r}: expected one of {', '.join(FEATURE_LAYOUTS)}")
     depth = int(name.removeprefix("resnet"))
     bias_downsample, shortcut = nets.resnet.get_medicalnet_pretrained_resnet_args(depth)
     net = getattr(nets, name)(spatial_dims=3, n_input_channels=1, feed_forward=False, shortcut_type=shortcut,
                               bias_downsample=bias_downsample, conv1_t_stride=2)
+    if layout == "medicalnet":
+        dilate_like_medicalnet(net)
     return net.eval()
+
+
+def dilate_like_medicalnet(net: nets.ResNet) -> None:
+    """Turn MONAI's strided layer3/layer4 into MedicalNet's: stride 1, 3×3×3 convolutions dilated (and padded)
+    by 2 and 4. Only hyper-parameters change; the weights' names and shapes stay."""
+    for layer, d in ((net.layer3, 2), (net.layer4, 4)):
+        for block in layer:
+            threes = (block.conv1, block.conv2) if isinstance(block, nets.resnet.ResNetBlock) else (block.conv2,)
+            for conv in threes:
+                conv.stride, conv.dilation, conv.padding = (1, 1, 1), (d, d, d), (d, d, d)
+            shortcut = block.downsample
+            if isinstance(shortcut, torch.nn.Sequential):  # type B: a strided 1×1×1 convolution
+                shortcut[0].stride = (1, 1, 1)
+            elif isinstance(shortcut, functools.partial):  # type A: strided pooling and zero channels
+                block.downsample = functools.partial(shortcut.func, *shortcut.args, **{**shortcut.keywords, "stride": 1})
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -78,9 +105,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def load_feature_network(path: Path, name: str = "resnet50", device: torch.device | str = "cpu") -> torch.nn.Module:
-    """``build_feature_network(name)`` with the weights in ``path``; DataError when they do not fit the layout."""
-    net = build_feature_network(name)
+def load_feature_network(path: Path, name: str = "resnet50", device: torch.device | str = "cpu",
+                         layout: str = "medicalnet") -> torch.nn.Module:
+    """``build_feature_network(name, layout)`` with the weights in ``path``; DataError when they do not fit."""
+    net = build_feature_network(name, layout)
     state = {k: v for k, v in read_state_dict(path).items() if not k.startswith(IGNORED_PREFIXES)}
     expected = net.state_dict()
     missing = [k for k in expected if k not in state]

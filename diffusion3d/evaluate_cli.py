@@ -247,6 +247,8 @@ def distribution_parser() -> argparse.ArgumentParser:
     p.add_argument("--feature_weights", type=Path, default=None, help="local MedicalNet checkpoint or state dict")
     p.add_argument("--feature_network", choices=dist.FEATURE_NETWORKS, default="resnet50",
                    help="the layout of the weights (default resnet50: 2048 features)")
+    p.add_argument("--feature_layout", choices=dist.FEATURE_LAYOUTS, default="medicalnet",
+                   help="medicalnet: layer3/4 dilated as MedicalNet computes (default); monai: strided, as MONAI's ResNet")
     p.add_argument("--feature_input", choices=dist.FEATURE_INPUTS, default="zscore",
                    help="zscore: MedicalNet's normalisation of each volume (default); unit: the [0, 1] volume as is")
     p.add_argument("--out", required=True, type=Path, help="output folder: distribution.json, distribution.csv")
@@ -268,13 +270,14 @@ def run_distribution(argv: Sequence[str]) -> dict[str, Any]:
     for kind, paths in files.items():
         if len(paths) < 2:
             raise InputError(f"{args.real if kind == 'real' else args.samples}: FID and MMD need at least 2 volumes, found {len(paths)}")
-    net = dist.load_feature_network(args.feature_weights, args.feature_network, device)
+    net = dist.load_feature_network(args.feature_weights, args.feature_network, device, args.feature_layout)
     bar = tqdm(total=sum(map(len, files.values())), desc="features", unit="volume", dynamic_ncols=True, leave=False)
     feats = {kind: dist.features(net, (scaling.read(p, kind == "synthetic") for p in paths), device,
                                  args.feature_input, lambda: bar.update(1)) for kind, paths in files.items()}
     bar.close()
     result = dist.compare(feats["real"], feats["synthetic"], args.seed)
     result["settings"] = {"feature_weights": str(args.feature_weights), "feature_network": args.feature_network,
+                          "feature_layout": args.feature_layout,
                           "feature_input": args.feature_input, "seed": args.seed, "device": str(device),
                           "real": str(args.real), "samples": str(args.samples), "scaling": vars(scaling)}
 

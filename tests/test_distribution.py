@@ -102,6 +102,20 @@ def test_a_set_against_itself_scores_zero_and_a_changed_set_far_more(sets, weigh
     assert ref["n"] == 3 and ref["fid_real_vs_synthetic"] > ref["fid_real_vs_real"]
 
 
+@pytest.mark.parametrize("name", ["resnet10", "resnet18"])  # shortcut B (as ResNet-50) and shortcut A
+def test_medicalnet_layout_dilates_layer3_and_layer4_instead_of_striding(name):
+    shapes = {}
+    for layout in ("medicalnet", "monai"):
+        net = D.build_feature_network(name, layout)
+        net.layer4.register_forward_hook(lambda m, i, o, layout=layout: shapes.__setitem__(layout, tuple(o.shape[2:])))
+        with torch.inference_mode():
+            assert net(torch.rand(1, 1, 32, 32, 32)).shape == (1, 512)
+    assert shapes == {"medicalnet": (4, 4, 4), "monai": (1, 1, 1)}  # 32 → conv1 16 → pool 8 → layer2 4
+    medicalnet = D.build_feature_network(name)
+    assert medicalnet.layer4[0].conv2.dilation == (4, 4, 4) and medicalnet.layer3[0].conv2.padding == (2, 2, 2)
+    assert medicalnet.state_dict().keys() == D.build_feature_network(name, "monai").state_dict().keys()
+
+
 def test_plain_state_dict_gives_the_same_features(weights):
     volumes = [np.random.default_rng(i).random((SIZE,) * 3).astype(np.float32) for i in range(3)]
     a = D.features(D.load_feature_network(weights / "medicalnet.pth"), volumes)
