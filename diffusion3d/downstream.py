@@ -171,17 +171,18 @@ class Settings:
 
 
 def build_network(settings: Settings, classes: int) -> torch.nn.Module:
-    """The segmenter; the same seed gives every arm the same initial weights."""
-    torch.manual_seed(settings.seed)
+    """The segmenter; the same seed gives every arm the same initial weights (the caller's RNG is left alone)."""
+    if settings.network not in NETWORKS:
+        raise ValueError(f"network {settings.network!r}: expected one of {', '.join(NETWORKS)}")
     ch = tuple(settings.channels)
-    if settings.network == "unet":
-        return UNet(spatial_dims=3, in_channels=1, out_channels=classes, channels=ch, strides=(2,) * (len(ch) - 1),
-                    num_res_units=1)
-    if settings.network == "segresnet":
-        # MONAI's default depth (1, 2, 2, 4) cut to the number of levels; widths double from channels[0]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        if settings.network == "unet":
+            return UNet(spatial_dims=3, in_channels=1, out_channels=classes, channels=ch,
+                        strides=(2,) * (len(ch) - 1), num_res_units=1)
+        # SegResNet: MONAI's default depth (1, 2, 2, 4) cut to the number of levels; widths double from ch[0]
         return SegResNet(spatial_dims=3, init_filters=ch[0], in_channels=1, out_channels=classes,
                          blocks_down=(1, 2, 2, 4, 4, 4)[: len(ch)], blocks_up=(1,) * (len(ch) - 1))
-    raise ValueError(f"network {settings.network!r}: expected one of {', '.join(NETWORKS)}")
 
 
 def default_patch(shapes: Sequence[tuple[int, ...]], multiple: int) -> tuple[int, int, int]:

@@ -89,6 +89,16 @@ def test_three_arms_learn_the_phantoms_and_repeat_exactly_from_their_splits(data
         assert again["arms"][arm]["final_loss"] == arms[arm]["final_loss"]
 
 
+def test_segresnet_and_a_single_arm_without_samples(data, capsys):
+    args = [a for a in argv(data) if a != str(data / "samples")]
+    args.remove("--samples")
+    code, out, err = call(args + ["--network", "segresnet", "--arms", "real", "--steps", "5"], capsys)
+    assert code == 0, err
+    result = json.loads((data / "out" / "downstream.json").read_text())
+    assert list(result["arms"]) == ["real"] and result["settings"]["network"] == "segresnet"
+    assert result["splits"]["synthetic_train"] == [] and all(0 <= d["mean"] <= 1 for d in result["arms"]["real"]["dice"].values())
+
+
 def test_splits_are_seeded_and_leave_test_masks_out():
     real = [D.Pair(f"c{i}", f"c{i}", None, None) for i in range(10)]  # type: ignore[arg-type]
     synthetic = [D.Pair(f"c{i}_sample{j}.nii.gz", f"c{i}", None, None) for i in range(10) for j in range(2)]  # type: ignore[arg-type]
