@@ -87,6 +87,13 @@ def _with_synthetic(splits: dict[str, Any], synthetic: Sequence[Pair]) -> dict[s
     return splits
 
 
+def chosen_splits(real: Sequence[Pair], synthetic: Sequence[Pair], test: Sequence[str], seed: int | None = None,
+                  source: str = "--test_cases") -> dict[str, Any]:
+    """``test`` (case names, e.g. those the diffusion model never trained on) for testing, the rest for training."""
+    names = [p.name for p in real]
+    return _checked(source, names, [c for c in names if c not in set(test)], list(test), seed, synthetic)
+
+
 def read_splits(path: Path, real: Sequence[Pair], synthetic: Sequence[Pair]) -> dict[str, Any]:
     """Splits written by an earlier run (or by hand: ``real_train`` and ``real_test`` lists of case names,
     optionally ``synthetic_train``: sample file names); DataError when they do not fit the data given."""
@@ -98,28 +105,31 @@ def read_splits(path: Path, real: Sequence[Pair], synthetic: Sequence[Pair]) -> 
         raise DataError(f"{path}: not a JSON splits file ({e})") from None
     if not isinstance(splits, dict) or not all(isinstance(splits.get(k), list) for k in ("real_train", "real_test")):
         raise DataError(f"{path}: expected lists 'real_train' and 'real_test' of case names")
-    names = {p.name for p in real}
-    train, test = splits["real_train"], splits["real_test"]
-    unknown = [c for c in train + test if c not in names]
-    if unknown:
-        raise DataError(f"{path}: case {unknown[0]!r} is not among the real pairs given ({len(unknown)} unknown)")
-    both = sorted(set(train) & set(test))
-    if both:
-        raise DataError(f"{path}: case {both[0]!r} is in both real_train and real_test")
-    if not train or not test:
-        raise DataError(f"{path}: real_train and real_test must both name at least one case")
-    out = _with_synthetic({"seed": splits.get("seed"), "real_train": list(train), "real_test": list(test)}, synthetic)
+    out = _checked(str(path), [p.name for p in real], splits["real_train"], splits["real_test"], splits.get("seed"), synthetic)
     if "synthetic_train" in splits:
         by_name = {p.name: p for p in synthetic}
         missing = [n for n in splits["synthetic_train"] if n not in by_name]
         if missing:
             raise DataError(f"{path}: synthetic sample {missing[0]!r} is not in the samples folder ({len(missing)} missing)")
-        leaked = [n for n in splits["synthetic_train"] if by_name[n].case in set(test)]
+        leaked = [n for n in splits["synthetic_train"] if by_name[n].case in set(out["real_test"])]
         if leaked:
             raise DataError(f"{path}: synthetic sample {leaked[0]!r} was generated from a test mask (its labels are test labels)")
         out["synthetic_train"] = list(splits["synthetic_train"])
         out["synthetic_excluded"] = [p.name for p in synthetic if p.name not in set(out["synthetic_train"])]
     return out
+
+
+def _checked(source: str, names: Sequence[str], train: Sequence[str], test: Sequence[str], seed: int | None,
+             synthetic: Sequence[Pair]) -> dict[str, Any]:
+    unknown = [c for c in [*train, *test] if c not in set(names)]
+    if unknown:
+        raise DataError(f"{source}: case {unknown[0]!r} is not among the real pairs given ({len(unknown)} unknown)")
+    both = sorted(set(train) & set(test))
+    if both:
+        raise DataError(f"{source}: case {both[0]!r} is in both real_train and real_test")
+    if not train or not test:
+        raise DataError(f"{source}: real_train and real_test must both name at least one case")
+    return _with_synthetic({"seed": seed, "real_train": list(train), "real_test": list(test)}, synthetic)
 
 
 # ---- volumes ----------------------------------------------------------------------------------------------

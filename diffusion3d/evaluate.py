@@ -314,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m diffusion3d.evaluate",
         description="SSIM / PSNR / MAE of each <case>_sample<i>.nii.gz against <images>/<case>.nii.gz, MS-SSIM "
-        "among the samples of one mask, and per-label intensity statistics; written as CSV, JSON and TensorBoard.",
+        "among the samples of one mask, and per-label intensity statistics; written as CSV, JSON, report.html and "
+        "TensorBoard. Subcommands (see their --help): 'downstream' (segmentation Dice of networks trained on real, "
+        "synthetic and both), 'distribution' (FID and MMD on MedicalNet features).",
     )
     p.add_argument("--samples", required=True, type=Path, help="folder of <case>_sample<i>.nii.gz")
     p.add_argument("--images", required=True, type=Path, help="folder of real images <case>.nii.gz")
@@ -323,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", default=None, help="e.g. 0,1,2 (default: every label in each mask)")
     add_intensity_flags(p)
     p.add_argument("--step", type=int, default=0, help="TensorBoard step of these results (e.g. the checkpoint's)")
-    p.add_argument("--report_cases", type=int, default=12, metavar="N",
-                   help="report.html shows the mid-slices of the first N cases (0: no report; default 12)")
+    p.add_argument("--report_cases", type=int, default=6, metavar="N",
+                   help="report.html shows the mid-slices of the first N cases (0: no report; default 6)")
     p.add_argument("--overwrite", action="store_true", help="replace existing metrics files in --out")
     return p
 

@@ -136,7 +136,9 @@ def downstream_parser() -> argparse.ArgumentParser:
                    help="the masks the samples were generated from, <case>.nii.gz (default: --masks)")
     p.add_argument("--out", required=True, type=Path, help="output folder: downstream.csv, downstream.json, splits.json")
     p.add_argument("--splits", type=Path, default=None, help="reuse the splits of an earlier run (its splits.json)")
-    p.add_argument("--num_test", type=int, default=None, help="real test cases (default: a quarter, at least 1)")
+    p.add_argument("--test_cases", default=None,
+                   help="real test cases by name, e.g. case_018,case_019 (the cases the diffusion model never trained on)")
+    p.add_argument("--num_test", type=int, default=None, help="else: this many random real test cases (default: a quarter)")
     p.add_argument("--arms", default="real,synthetic,mixed", help="which trainings: real, synthetic, mixed (default all)")
     p.add_argument("--labels", default=None, help="labels to segment, e.g. 1,2 (default: every non-zero mask label)")
     p.add_argument("--network", choices=down.NETWORKS, default="unet", help="MONAI UNet or SegResNet (default unet)")
@@ -189,8 +191,12 @@ def run_downstream(argv: Sequence[str]) -> dict[str, Any]:
         raise InputError("--samples: needed for the synthetic and mixed arms (or use --arms real)")
     real = down.real_pairs(args.images, args.masks)
     synthetic = down.synthetic_pairs(args.samples, args.sample_masks or args.masks) if args.samples else []
+    if args.splits is not None and args.test_cases is not None:
+        raise InputError("--splits and --test_cases: give one of them")
     if args.splits is not None:
         splits = down.read_splits(args.splits, real, synthetic)
+    elif args.test_cases is not None:
+        splits = down.chosen_splits(real, synthetic, [c.strip() for c in args.test_cases.split(",") if c.strip()], args.seed)
     else:
         num_test = args.num_test if args.num_test is not None else max(1, round(len(real) / 4))
         splits = down.make_splits(real, synthetic, num_test, args.seed)

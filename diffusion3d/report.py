@@ -26,7 +26,7 @@ PALETTE = np.array([(0, 0, 0), (31, 119, 180), (255, 127, 14), (44, 160, 44), (2
                     (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)], np.uint8)
 REAL_COLOUR, SYNTHETIC_COLOUR = "#00897b", "#c2185b"  # teal, magenta: unlike any label colour
 Table = tuple[str, Sequence[str], Sequence[dict[str, Any]]]  # heading, columns, rows
-TILE_PX = 120  # on-screen size of one slice; the PNG keeps the voxels, the browser scales it (pixelated)
+TILE_PX = 96  # on-screen size of a slice: the PNG keeps the voxels, the browser enlarges it by a whole factor
 
 
 # ---- PNG ------------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def table_html(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
 
 
 def figure_html(figure: CaseFigure) -> str:
-    tile = TILE_PX
+    tile = figure.tile * max(1, TILE_PX // figure.tile)  # 32³: 3× (96 px); 128³ and up: 1×, never shrunk
     captions = "".join(f"<span style='width:{tile}px'>{html.escape(c)}</span>" for c in figure.columns)
     return (f"<div class=case><b>{html.escape(figure.case)}</b><div class=cols>{captions}</div>"
             f"<img alt='mid-slices of {html.escape(figure.case)}' src='{data_uri(figure.png)}' "

@@ -99,6 +99,14 @@ def test_segresnet_and_a_single_arm_without_samples(data, capsys):
     assert result["splits"]["synthetic_train"] == [] and all(0 <= d["mean"] <= 1 for d in result["arms"]["real"]["dice"].values())
 
 
+def test_test_cases_by_name(data, capsys):
+    code, _, err = call(argv(data, "--test_cases", "case_6,case_7", "--arms", "real", "--steps", "2"), capsys)
+    assert code == 0, err
+    splits = json.loads((data / "out" / "splits.json").read_text())
+    assert splits["real_test"] == ["case_6", "case_7"] and splits["real_train"] == [f"case_{i}" for i in range(6)]
+    assert splits["synthetic_excluded"] == ["case_6_sample0.nii.gz", "case_7_sample0.nii.gz"]
+
+
 def test_splits_are_seeded_and_leave_test_masks_out():
     real = [D.Pair(f"c{i}", f"c{i}", None, None) for i in range(10)]  # type: ignore[arg-type]
     synthetic = [D.Pair(f"c{i}_sample{j}.nii.gz", f"c{i}", None, None) for i in range(10) for j in range(2)]  # type: ignore[arg-type]
@@ -133,6 +141,7 @@ def test_crop_pads_small_volumes_and_centres_on_labels():
         ("splits_unknown", "is not among the real pairs"),
         ("splits_leak", "was generated from a test mask"),
         ("no_sample_mask", "no mask case_9.nii.gz"),
+        ("test_cases_unknown", "--test_cases: case 'case_42' is not among the real pairs"),
         ("exists", "already exists"),
     ],
 )
@@ -153,6 +162,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(data, capsys, case, 
             ["case_0", "case_77"] if case == "splits_unknown" else ["case_2_sample0.nii.gz"])
         (data / "s.json").write_text(json.dumps(splits))
         args += ["--splits", str(data / "s.json")]
+    elif case == "test_cases_unknown":
+        args += ["--test_cases", "case_1,case_42"]
     elif case == "no_sample_mask":
         write_nifti(data / "samples" / "case_9_sample0.nii.gz", np.zeros((SIZE,) * 3, np.float32))
     elif case == "exists":
