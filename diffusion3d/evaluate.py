@@ -30,8 +30,12 @@ Metrics (MONAI's where they exist):
   sample over real: blur < 1, noise > 1). Unlike correlation, none of these hides an offset or a scale.
 
 Written to ``--out``: ``metrics.csv`` (one row per sample), ``cases.csv`` (one row per mask),
-``metrics.json`` (settings, summary, everything per case) and TensorBoard summaries in ``--out/tb`` at
-``--step``. Bad input → one line ``error: <file>: <problem>``, exit code 2, nothing written.
+``metrics.json`` (settings, summary, everything per case), ``report.html`` (mid-slice montages, the tables,
+per-label intensity histograms; ``report.Report``) and TensorBoard summaries in ``--out/tb`` at ``--step``.
+Bad input → one line ``error: <file>: <problem>``, exit code 2, nothing written.
+
+``python -m diffusion3d.evaluate downstream ...`` (segmentation Dice of networks trained on real, synthetic and
+both) and ``... distribution ...`` (FID / MMD on MedicalNet features) are subcommands: ``evaluate_cli``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,15 +56,18 @@ import torch
 from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
 from . import checkpoint as ckpt
+from . import evaluate_cli
 from ._cli import InputError, OneLineParser, configure_logging, run_command
-from .data import NIFTI_SUFFIXES, DataError, read_volume
+from .data import DataError, read_volume
+from .evalinputs import check_folder, find_partner, group_samples, real_bounds, to_unit
+from .evaluate_cli import SUBCOMMANDS, add_intensity_flags, scaling_from
 from .metrics import mask_fidelity, sharpness, ssim_window
+from .report import Report
 
 log = logging.getLogger("diffusion3d.evaluate")  # not __name__: "__main__" under python -m
-SAMPLE_NAME = re.compile(r"^(?P<case>.+)_sample(?P<index>\d+)\.nii(\.gz)?$")
 MS_SSIM_WEIGHTS = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)  # MONAI's (Wang et al. 2003)
 MS_SSIM_KERNEL = 7
-OUTPUTS = ("metrics.csv", "cases.csv", "metrics.json")
+OUTPUTS = ("metrics.csv", "cases.csv", "metrics.json", "report.html")
 
 
 # ---- inputs -----------------------------------------------------------------------------------------
@@ -73,48 +79,17 @@ class CaseFiles:
     samples: list[tuple[int, Path]] = field(default_factory=list)
 
 
-def _find(folder: Path, case: str) -> Path | None:
-    for ext in NIFTI_SUFFIXES:
-        if (folder / f"{case}{ext}").is_file():
-            return folder / f"{case}{ext}"
-    return None
-
-
 def pair(samples_dir: Path, images_dir: Path, masks_dir: Path | None) -> list[CaseFiles]:
     """Group ``<case>_sample<i>`` files by case and find each case's image (and mask); DataError otherwise."""
     for folder in [samples_dir, images_dir, *([masks_dir] if masks_dir else [])]:
-        if not folder.is_dir():
-            raise DataError(f"{folder}: {'not a folder' if folder.exists() else 'folder not found'}")
-    cases: dict[str, CaseFiles] = {}
-    for p in sorted(samples_dir.iterdir()):
-        m = SAMPLE_NAME.match(p.name)
-        if not p.is_file() or m is None:
-            continue
-        case = m.group("case")
-        if case not in cases:
-            image = _find(images_dir, case)
-            if image is None:
-                raise DataError(f"{p}: no real image {case}.nii.gz (or .nii) in {images_dir}")
-            mask = None
-            if masks_dir is not None:
-                mask = _find(masks_dir, case)
-                if mask is None:
-                    raise DataError(f"{p}: no mask {case}.nii.gz (or .nii) in {masks_dir}")
-            cases[case] = CaseFiles(case, image, mask)
-        index = int(m.group("index"))
-        if any(i == index for i, _ in cases[case].samples):
-            raise DataError(f"{p}: sample {index} of case {case!r} appears twice (.nii and .nii.gz?)")
-        cases[case].samples.append((index, p))
-    if not cases:
-        raise DataError(f"{samples_dir}: no <case>_sample<i>.nii.gz files in this folder")
-    return [cases[c] for c in sorted(cases)]
-
-
-def check_pair(values: list[float], flag: str) -> tuple[float, float]:
-    lo, hi = values
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise InputError(f"{flag}: expected LO < HI, got {lo:g} {hi:g}")
-    return lo, hi
+        check_folder(folder)
+    cases = []
+    for case, samples in group_samples(samples_dir).items():
+        first = samples[0][1]
+        image = find_partner(first, images_dir, case, "real image")
+        mask = find_partner(first, masks_dir, case, "mask") if masks_dir is not None else None
+        cases.append(CaseFiles(case, image, mask, samples))
+    return cases
 
 
 def parse_labels(text: str | None) -> list[int] | None:
@@ -130,19 +105,6 @@ def parse_labels(text: str | None) -> list[int] | None:
 
 
 # ---- scaling and metrics ------------------------------------------------------------------------------
-def to_unit(volume: np.ndarray, lo: float, hi: float) -> torch.Tensor:
-    """[D, H, W] → [1, 1, D, H, W] float32 in [0, 1]: (v - lo) / (hi - lo), clipped."""
-    scale = hi - lo if hi > lo else 1.0
-    return torch.from_numpy(np.clip((volume.astype(np.float64) - lo) / scale, 0.0, 1.0).astype(np.float32))[None, None]
-
-
-def real_bounds(volume: np.ndarray, real_range: tuple[float, float] | None, percentiles: tuple[float, float]) -> tuple[float, float]:
-    if real_range is not None:
-        return real_range
-    lo, hi = np.percentile(volume, percentiles)
-    return float(lo), float(hi)
-
-
 def ms_ssim_scales(shape: tuple[int, ...], kernel: int = MS_SSIM_KERNEL) -> int:
     """How many scales fit: every scale's side must hold the window, and MONAI's own size check must pass."""
     side = min(shape)
@@ -202,8 +164,10 @@ def evaluate(
     real_range: tuple[float, float] | None = None,
     real_percentiles: tuple[float, float] = (0.0, 100.0),
     sample_range: tuple[float, float] = (0.0, 1.0),
+    report: Report | None = None,
 ) -> dict[str, Any]:
-    """Every metric, in memory (nothing is written here); raises DataError naming a file that does not fit."""
+    """Every metric, in memory (nothing is written here); raises DataError naming a file that does not fit.
+    With ``report``, each case's volumes (as scored, in [0, 1]) are also handed to it."""
     rows: list[dict[str, Any]] = []
     per_case: list[dict[str, Any]] = []
     for c in cases:
@@ -234,6 +198,8 @@ def evaluate(
                 row.update(fidelity(sample[0, 0].numpy(), real[0, 0].numpy(), mask_np, case_labels))
             rows.append(row)
         ms, n_pairs, note = diversity(units)
+        if report is not None:
+            report.add_case(c.case, real[0, 0].numpy(), [u[0, 0].numpy() for u in units], mask_np)
         per_case.append({"case": c.case, "image": str(c.image), "mask": str(c.mask) if c.mask else None,
                          "n_samples": len(units), "ms_ssim": ms, "ms_ssim_pairs": n_pairs, "ms_ssim_note": note})
     return {"settings": {"real_range": real_range, "real_percentiles": list(real_percentiles),
@@ -322,7 +288,7 @@ def write_csv(path: Path, header: list[str], rows: list[dict[str, Any]]) -> None
             writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in header})
 
 
-def write_outputs(result: dict[str, Any], out: Path, step: int) -> list[Path]:
+def write_outputs(result: dict[str, Any], out: Path, step: int, report: Report | None = None) -> list[Path]:
     from torch.utils.tensorboard import SummaryWriter
 
     out.mkdir(parents=True, exist_ok=True)
@@ -331,6 +297,8 @@ def write_outputs(result: dict[str, Any], out: Path, step: int) -> list[Path]:
     case_header = ["case", "n_samples", "ms_ssim", "ms_ssim_pairs", "ms_ssim_note", "image", "mask"]
     write_csv(out / "cases.csv", case_header, result["cases"])
     (out / "metrics.json").write_text(json.dumps(_json_safe(result), indent=2, allow_nan=False) + "\n")
+    if report is not None:
+        (out / "report.html").write_text(report.evaluation_page(result, header, flat), encoding="utf-8")
     with SummaryWriter(str(out / "tb")) as writer:
         for key, value in result["summary"].items():
             if isinstance(value, float) and math.isfinite(value):
@@ -338,7 +306,7 @@ def write_outputs(result: dict[str, Any], out: Path, step: int) -> list[Path]:
         table = "| " + " | ".join(header[:6]) + " |\n|" + "---|" * 6 + "\n"
         table += "\n".join("| " + " | ".join(str(r[k]) for k in header[:6]) + " |" for r in flat)
         writer.add_text("eval/samples", table, step)
-    return [out / name for name in OUTPUTS]
+    return [out / name for name in OUTPUTS if (out / name).exists()]
 
 
 # ---- the command line -----------------------------------------------------------------------------------
@@ -346,40 +314,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m diffusion3d.evaluate",
         description="SSIM / PSNR / MAE of each <case>_sample<i>.nii.gz against <images>/<case>.nii.gz, MS-SSIM "
-        "among the samples of one mask, and per-label intensity statistics; written as CSV, JSON and TensorBoard.",
+        "among the samples of one mask, and per-label intensity statistics; written as CSV, JSON, report.html and "
+        "TensorBoard. Subcommands (see their --help): 'downstream' (segmentation Dice of networks trained on real, "
+        "synthetic and both), 'distribution' (FID and MMD on MedicalNet features).",
     )
     p.add_argument("--samples", required=True, type=Path, help="folder of <case>_sample<i>.nii.gz")
     p.add_argument("--images", required=True, type=Path, help="folder of real images <case>.nii.gz")
     p.add_argument("--masks", type=Path, default=None, help="folder of masks <case>.nii.gz (per-label statistics)")
     p.add_argument("--out", required=True, type=Path, help="output folder: metrics.csv, cases.csv, metrics.json, tb/")
     p.add_argument("--labels", default=None, help="e.g. 0,1,2 (default: every label in each mask)")
-    # Two numbers rather than "LO,HI": argparse takes "-1,1" for a flag but "-1" for a number.
-    p.add_argument("--real_range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="map the real image's [LO, HI] to [0, 1]")
-    p.add_argument("--real_percentiles", type=float, nargs=2, default=[0.0, 100.0], metavar=("PLO", "PHI"),
-                   help="without --real_range: map these percentiles of each real image to [0, 1] (default 0 100)")
-    p.add_argument("--sample_range", type=float, nargs=2, default=[0.0, 1.0], metavar=("LO", "HI"),
-                   help="map the samples' [LO, HI] to [0, 1] (default 0 1)")
+    add_intensity_flags(p)
     p.add_argument("--step", type=int, default=0, help="TensorBoard step of these results (e.g. the checkpoint's)")
+    p.add_argument("--report_cases", type=int, default=6, metavar="N",
+                   help="report.html shows the mid-slices of the first N cases (0: no report; default 6)")
     p.add_argument("--overwrite", action="store_true", help="replace existing metrics files in --out")
     return p
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    real_range = check_pair(args.real_range, "--real_range") if args.real_range else None
-    percentiles = check_pair(args.real_percentiles, "--real_percentiles")
-    if not 0 <= percentiles[0] < percentiles[1] <= 100:
-        raise InputError(f"--real_percentiles: expected 0 <= low < high <= 100, got {percentiles}")
-    sample_range = check_pair(args.sample_range, "--sample_range")
+    scaling = scaling_from(args)
     labels = parse_labels(args.labels)
+    if args.report_cases < 0:
+        raise InputError(f"--report_cases: expected a number >= 0, got {args.report_cases}")
     if args.out.exists() and not args.out.is_dir():
         raise InputError(f"{args.out}: exists and is not a folder")
     existing = [args.out / n for n in OUTPUTS if (args.out / n).exists()]
     if existing and not args.overwrite:
         raise InputError(f"{existing[0]}: already exists; use --overwrite to replace")
     cases = pair(args.samples, args.images, args.masks)
-    result = evaluate(cases, labels, real_range, percentiles, sample_range)
+    report = Report(max_cases=args.report_cases) if args.report_cases else None
+    result = evaluate(cases, labels, scaling.real_range, scaling.real_percentiles, scaling.sample_range, report)
     result["settings"]["step"] = args.step
     try:  # one writer per output folder; taken once the inputs are known good, so bad input writes nothing
         lock = ckpt.lock_folder(args.out, "evaluation")
@@ -389,7 +354,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         existing = [args.out / n for n in OUTPUTS if (args.out / n).exists()]
         if existing and not args.overwrite:  # written meanwhile by a run that has finished
             raise InputError(f"{existing[0]}: already exists; use --overwrite to replace")
-        write_outputs(result, args.out, args.step)
+        write_outputs(result, args.out, args.step, report)
     return result
 
 
@@ -406,7 +371,11 @@ def evaluate_and_report(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``diffusion3d-evaluate``): exit 0; 2 with one line for bad input; 1 for a storage fault."""
+    """Console entry point (``diffusion3d-evaluate``): exit 0; 2 with one line for bad input; 1 for a storage fault.
+    ``downstream ...`` and ``distribution ...`` run those subcommands (``evaluate_cli``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        evaluate_cli.main(argv[0], argv[1:])
     configure_logging()
     sys.exit(run_command(lambda: evaluate_and_report(argv)))
 

@@ -208,7 +208,7 @@ def test_one_line_parser_error(capsys):
         "error: argument --n: invalid int value: 'x' (see python -m diffusion3d.thing --help)"]
 
 
-COMMANDS = {"cli", "sample", "evaluate", "bench", "quality", "_cli"}
+COMMANDS = {"cli", "sample", "evaluate", "evaluate_cli", "bench", "quality", "_cli"}
 
 
 def test_commands_share_the_helper_and_the_library_does_not_import_it():
