@@ -14,10 +14,14 @@ as one line ``error: ...`` on stderr and picks the exit code:
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import logging
+import math
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 from .checkpoint import CheckpointError, FolderLockedError, StorageError
 from .config import ConfigError
@@ -75,3 +79,28 @@ def run_command(body: Callable[[], int | None], bad_input: ExceptionTypes = (), 
         print("\ninterrupted", file=sys.stderr)
         return 130
     return 0 if code is None else code
+
+
+# ---- what commands write beside their tables -----------------------------------------------------------
+def json_safe(value: Any) -> Any:
+    """Strict JSON: inf / NaN become null (e.g. the PSNR of an identical volume), keys become strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any, indent: int = 2) -> None:
+    Path(path).write_text(json.dumps(json_safe(value), indent=indent, allow_nan=False) + "\n")
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, Any]], header: Sequence[str] | None = None) -> None:
+    """Rows as CSV with ``header`` (default: the first row's keys); None and missing values are blank."""
+    header = list(header if header is not None else rows[0])
+    with Path(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows([{k: "" if r.get(k) is None else r.get(k) for k in header} for r in rows])

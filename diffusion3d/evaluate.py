@@ -41,9 +41,7 @@ both) and ``... distribution ...`` (FID / MMD on MedicalNet features) are subcom
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
-import json
 import logging
 import math
 import sys
@@ -57,7 +55,7 @@ from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetri
 
 from . import checkpoint as ckpt
 from . import evaluate_cli
-from ._cli import InputError, OneLineParser, configure_logging, run_command
+from ._cli import InputError, OneLineParser, configure_logging, run_command, write_csv, write_json
 from .data import DataError, read_volume
 from .evalinputs import check_folder, find_partner, group_samples, real_bounds, to_unit
 from .evaluate_cli import SUBCOMMANDS, add_intensity_flags, scaling_from
@@ -251,17 +249,6 @@ def summarize(rows: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> dic
 
 
 # ---- writing ------------------------------------------------------------------------------------------
-def _json_safe(value: Any) -> Any:
-    """Strict JSON: inf / NaN become null (PSNR of an identical volume is infinite)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def flat_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
     """The per-sample rows with one column per (label, statistic); blank where a label is absent."""
     labels = sorted({k for r in rows for k in r.get("labels", {})})
@@ -280,23 +267,15 @@ def flat_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any
     return header, flat
 
 
-def write_csv(path: Path, header: list[str], rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in header})
-
-
 def write_outputs(result: dict[str, Any], out: Path, step: int, report: Report | None = None) -> list[Path]:
     from torch.utils.tensorboard import SummaryWriter
 
     out.mkdir(parents=True, exist_ok=True)
     header, flat = flat_rows(result["samples"])
-    write_csv(out / "metrics.csv", header, flat)
+    write_csv(out / "metrics.csv", flat, header)
     case_header = ["case", "n_samples", "ms_ssim", "ms_ssim_pairs", "ms_ssim_note", "image", "mask"]
-    write_csv(out / "cases.csv", case_header, result["cases"])
-    (out / "metrics.json").write_text(json.dumps(_json_safe(result), indent=2, allow_nan=False) + "\n")
+    write_csv(out / "cases.csv", result["cases"], case_header)
+    write_json(out / "metrics.json", result)
     if report is not None:
         (out / "report.html").write_text(report.evaluation_page(result, header, flat), encoding="utf-8")
     with SummaryWriter(str(out / "tb")) as writer:

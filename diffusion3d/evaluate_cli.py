@@ -11,8 +11,6 @@ Bad input → one line ``error: ...``, exit 2, nothing written; a storage fault 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import logging
 import math
 import sys
@@ -27,7 +25,7 @@ from . import distribution as dist
 from . import downstream as down
 from .data import scan_folder
 from .evalinputs import Scaling
-from ._cli import InputError, OneLineParser, configure_logging, run_command
+from ._cli import InputError, OneLineParser, configure_logging, run_command, write_csv, write_json
 
 log = logging.getLogger("diffusion3d.evaluate")
 
@@ -94,26 +92,6 @@ def write_locked(out: Path, outputs: Sequence[str], overwrite: bool, what: str, 
     with lock:
         check_out(out, outputs, overwrite)  # written meanwhile by a run that has finished?
         write()
-
-
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows([{k: "" if v is None else v for k, v in r.items()} for r in rows])
-
-
-def write_json(path: Path, value: Any) -> None:
-    def safe(v: Any) -> Any:  # strict JSON: NaN / inf → null
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {str(k): safe(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [safe(x) for x in v]
-        return v
-
-    path.write_text(json.dumps(safe(value), indent=2, allow_nan=False) + "\n")
 
 
 def _num(value: float | None, digits: int = 4) -> str:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import config as C
 from . import configs, metrics
-from ._cli import InputError, OneLineParser, configure_logging, run_command
+from ._cli import InputError, OneLineParser, configure_logging, run_command, write_json
 from .data import build_dataset, discover, save_nifti
 from .diffusion import make_diffusion
 from .phantoms import SPACING, make_case
@@ -398,16 +398,6 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
     return report
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def print_table(paths: Sequence[Path]) -> int:
     """--table: one table from the rows of several reports."""
     rows = []
@@ -426,7 +416,7 @@ def measure(args: argparse.Namespace) -> int:
     print(format_table(report["rows"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(_json_safe(report), indent=1))
+        write_json(args.out, report, indent=1)
     return 0
 
 
