@@ -9,18 +9,11 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
 from diffusion3d import bench, memory
 from diffusion3d.memory import (MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory,
                                 synthetic_trainer)
 from diffusion3d.trainer import Trainer
-
-
-def _write_config(tmp_path, **overrides):
-    cfg = tiny_config(tmp_path, **overrides)
-    path = tmp_path / "tiny.yaml"
-    path.write_text(cfg.to_yaml())
-    return cfg, path
+from tests.helpers import ROOT, subprocess_env, tiny, tiny_config
 
 
 def _positive(value) -> bool:
@@ -29,7 +22,7 @@ def _positive(value) -> bool:
 
 # ---- the benchmark command -----------------------------------------------------------------------
 def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, capsys):
-    _, config = _write_config(tmp_path)
+    config = tiny(tmp_path).yaml()
     out = tmp_path / "bench.json"
     code = bench.main(["--config", str(config), "--sizes", "16", "--precisions", "fp32,bf16", "--checkpointing", "off",
                        "--quick", "--isolate", "off", "--sampling", "ddpm,dpmpp2m", "--sampling_max_steps", "2",
@@ -54,14 +47,16 @@ def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, caps
     assert "training" in table and "sampling" in table and "loader" in table and "extrapolated" in table
 
 
+@pytest.mark.slow
 def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
-    cfg, config = _write_config(tmp_path)
+    run = tiny(tmp_path)
+    cfg, config = run.cfg, run.yaml()
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "diffusion3d.bench", "--config", str(config), "--sizes", "16", "--precisions", "fp32",
          "--checkpointing", "off", "--accum", "2", "--quick", "--parts", "train", "--isolate", "on",
          "--no_estimate", "--device", "cpu", "--threads", "1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())["train"]
@@ -80,7 +75,7 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
     (["--json", "/nonexistent/folder/out.json"], "does not exist"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, needle):
-    _, config = _write_config(tmp_path)
+    config = tiny(tmp_path).yaml()
     code = bench.main(["--config", str(config), "--device", "cpu", "--sizes", "16", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]

@@ -8,9 +8,9 @@ import typing
 
 import pytest
 
-from conftest import ROOT, configure
 from diffusion3d import cli
 from diffusion3d import config as C
+from tests.helpers import ROOT, configure
 
 
 @pytest.mark.parametrize("values,message", [

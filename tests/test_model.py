@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-from conftest import phantom, tiny_config
 from monai.data import MetaTensor
 
 from diffusion3d.diffusion import GaussianDiffusion
 from diffusion3d.model import Denoiser, build_model, count_parameters
+from tests.helpers import phantom, tiny_config
 
 SIZE = 16
 
