@@ -74,7 +74,7 @@ def test_with_condition_flag_and_config_file(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--no_such_flag", "1"], "unrecognized arguments"),
+        (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag 1"),
         (["--train_num_steps", "two"], "train_num_steps: expected an integer"),
         (["--precision", "fp8"], "precision: 'fp8' is not one of"),
         (["--accum", "0"], "gradient_accumulate_every: must be at least 1"),
@@ -82,10 +82,12 @@ def test_with_condition_flag_and_config_file(tmp_path):
     ],
 )
 def test_bad_flags_exit_2(argv, message, capsys):
+    """A bad flag or value: one line (no usage block), as in every other command, exit 2."""
     with pytest.raises(SystemExit) as exc:
         cli.run(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and message in line and line.endswith(" (see train.py --help)"), line
 
 
 def test_batch_size_auto_keeps_the_effective_batch(tmp_path):
@@ -110,7 +112,8 @@ def test_batch_size_auto_bad_values_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.run(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and message in line, line
 
 
 # ---- bundled configs -------------------------------------------------------------------------------------
@@ -129,7 +132,8 @@ def test_config_by_bundled_name_or_path(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.run(["--config", "no_such_recipe"])
     assert exc.value.code == 2
-    assert "no_such_recipe: config file not found (bundled configs: default, whole_head_128)" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: no_such_recipe: config file not found (bundled configs: default, whole_head_128) (see train.py --help)"]
     with pytest.raises(C.ConfigError):
         configs.find("configs/default.yaml")  # a path with folders is never taken for a bundled name
 
