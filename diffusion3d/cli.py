@@ -18,7 +18,7 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from . import config as C
 from . import configs, distributed
-from ._cli import BAD_INPUT, InputError, configure_logging, run_command
+from ._cli import BAD_INPUT, InputError, OneLineParser, configure_logging, run_command
 from .data import build_dataset, discover, format_summary, split_cases, validate
 from .precision import resolve_precision
 from .trainer import NonFiniteError, Trainer
@@ -28,7 +28,7 @@ DEFAULT_CONFIG = configs.DEFAULT  # inside the package: found by a wheel install
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(  # a bad flag or config value: one line, exit 2, as every command
         prog="train.py",
         usage="%(prog)s [-h] [--config YAML] [--check_data] [--KEY VALUE ...]",  # every key: see --help
         description="Train a conditional 3D diffusion model (mask → MRI volume). Every config key can be "

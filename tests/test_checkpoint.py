@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import os
 import signal
 import subprocess
 import sys
@@ -13,27 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, make_dataset, tiny_config
 from diffusion3d import checkpoint as ckpt
 from diffusion3d.cli import build_trainer
 from diffusion3d.data import discover
-
-TINY_FLAGS = [
-    "--image_size", "[16,16,16]", "--channels", "[8,16]", "--attention_levels", "[false,true]",
-    "--num_head_channels", "8", "--norm_num_groups", "4", "--timesteps", "50", "--sampling_steps", "2",
-    "--batch_size", "2", "--accum", "1", "--num_val_cases", "1", "--device", "cpu", "--quiet",
-    "--intensity", "range", "--lr", "1e-3",
-]
+from tests.helpers import ROOT, Tiny, subprocess_env, tiny, tiny_config
 
 
-def train_cmd(data: Path, run: Path, *extra: str) -> list[str]:
-    return [sys.executable, "train.py", "--image_dir", str(data / "images"), "--mask_dir", str(data / "masks"),
-            "--results_dir", str(run), *TINY_FLAGS, *extra]
+def train_cmd(run: Tiny, *extra: str) -> list[str]:
+    """train.py on the tiny run (2 sampling steps), extra flags last (they win)."""
+    return [sys.executable, "train.py", *run.flags, *extra]
 
 
 def run_cli(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -76,29 +67,33 @@ def test_checkpoint_holds_everything(tmp_path):
     assert state["config"]["train"]["seed"] == cfg.train.seed
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
-    data = tmp_path / "data"
-    make_dataset(data, n=6, size=16)
-    steps = ["--train_num_steps", "8", "--save_every", "2", "--sample_every", "100"]
-    straight = run_cli(train_cmd(data, tmp_path / "straight", *steps))
+    """Killed after step 4's checkpoint, then the same command: bitwise the run that was never killed. A temp
+    file the kill left (planted here, since the kill may land between writes) is never loaded and is removed."""
+    tiny_run = tiny(tmp_path, sampling_steps=2, train_num_steps=8, save_every=2)
+    straight = run_cli(train_cmd(tiny_run, "--results_dir", str(tmp_path / "straight")))
     assert straight.returncode == 0, straight.stderr[-2000:]
 
-    run = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(train_cmd(data, run, *steps), cwd=ROOT, env=env,
+    run = tiny_run.results
+    proc = subprocess.Popen(train_cmd(tiny_run), cwd=ROOT, env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and not (run / "checkpoints" / "step_00000004.pt").exists():
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = sorted(p.name for p in (run / "checkpoints").glob("step_*.pt"))
-    assert "step_00000008.pt" not in done, "killed too late to test anything"
-    assert not list((run / "checkpoints").glob(".*tmp*")) or True  # a temp file may remain; it is never loaded
+    folder = run / "checkpoints"
+    done = ckpt.list_checkpoints(folder)
+    assert done and done[-1][0] < 8, f"killed too late to test anything: {done}"
+    # what a write interrupted at the next step leaves: a loadable checkpoint under the temp name
+    stale = folder / f".{ckpt.checkpoint_name(done[-1][0] + 2)}.tmp.{proc.pid}"
+    stale.write_bytes(done[-1][1].read_bytes())
 
-    resumed = run_cli(train_cmd(data, run, *steps))
+    resumed = run_cli(train_cmd(tiny_run))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stderr
+    assert f"resumed from {done[-1][1]} at step {done[-1][0]}" in resumed.stderr  # not from the temp file
+    assert not [p.name for p in folder.iterdir() if ckpt.TEMP_NAME.match(p.name)]  # removed by the next run
     a = ckpt.load(tmp_path / "straight" / "checkpoints" / "step_00000008.pt")
     b = ckpt.load(run / "checkpoints" / "step_00000008.pt")
     assert_same_weights(a, b)
@@ -189,40 +184,37 @@ def test_config_differences_split_breaking_and_harmless(tmp_path):
     assert any(line.startswith("train.lr") for line in harmless)
 
 
+@pytest.mark.slow
 def test_resume_rules_on_the_command_line(tmp_path):
-    data = tmp_path / "data"
-    make_dataset(data, n=6, size=16)
-    run = tmp_path / "run"
-    first = run_cli(train_cmd(data, run, "--train_num_steps", "2", "--save_every", "2", "--sample_every", "100"))
+    tiny_run = tiny(tmp_path, sampling_steps=2)
+    run = tiny_run.results
+    first = run_cli(train_cmd(tiny_run, "--train_num_steps", "2"))
     assert first.returncode == 0, first.stderr[-2000:]
     listing = sorted(p.name for p in run.rglob("*"))
 
-    changed = run_cli(train_cmd(data, run, "--train_num_steps", "4", "--channels", "[8,32]"))
+    changed = run_cli(train_cmd(tiny_run, "--train_num_steps", "4", "--channels", "[8,32]"))
     assert changed.returncode == 2
     assert "model.channels: [8, 16] -> [8, 32]" in changed.stderr and "Traceback" not in changed.stderr
     assert len(changed.stderr.strip().splitlines()) == 1
 
-    refused = run_cli(train_cmd(data, run, "--train_num_steps", "4", "--resume", "none"))
+    refused = run_cli(train_cmd(tiny_run, "--train_num_steps", "4", "--resume", "none"))
     assert refused.returncode == 2 and "--overwrite" in refused.stderr
-    missing = run_cli(train_cmd(data, run, "--resume", str(run / "nope.pt")))
+    missing = run_cli(train_cmd(tiny_run, "--resume", str(run / "nope.pt")))
     assert missing.returncode == 2 and "nope.pt: checkpoint not found" in missing.stderr
     assert sorted(p.name for p in run.rglob("*")) == listing  # nothing written by the refused runs
 
-    more = run_cli(train_cmd(data, run, "--train_num_steps", "3", "--save_every", "2", "--sample_every", "100",
-                             "--lr", "5e-4"))
+    more = run_cli(train_cmd(tiny_run, "--train_num_steps", "3", "--lr", "5e-4"))
     assert more.returncode == 0, more.stderr[-2000:]
     assert "train.lr" in more.stderr and "resumed from" in more.stderr
     assert ckpt.load(run / "checkpoints" / "step_00000003.pt")["step"] == 3
 
 
 def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    data = tmp_path / "data"
-    make_dataset(data, n=6, size=16)
-    run = tmp_path / "run"
-    cmd = train_cmd(data, run, "--train_num_steps", "100000", "--save_every", "100000", "--sample_every", "100000",
-                    "--log_every", "1")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tiny_run = tiny(tmp_path, sampling_steps=2, train_num_steps=100000, save_every=100000, sample_every=100000,
+                    log_every=1)
+    run = tiny_run.results
+    proc = subprocess.Popen(train_cmd(tiny_run), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and not list((run / "tb").glob("events.out.tfevents.*")):
         time.sleep(0.1)
@@ -230,6 +222,7 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
     proc, run = start_long_run(tmp_path)
@@ -242,6 +235,7 @@ def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
     assert ckpt.load(saved[0][1])["step"] == saved[0][0]
 
 
+@pytest.mark.slow
 def test_second_sigint_exits_at_once(tmp_path):
     proc, run = start_long_run(tmp_path)
     proc.send_signal(signal.SIGINT)

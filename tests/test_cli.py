@@ -12,29 +12,30 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, make_dataset
 from diffusion3d import _cli, cli, configs
 from diffusion3d import checkpoint as ckpt
 from diffusion3d import config as C
 from diffusion3d.data import DataError, DataProblems
+from tests.helpers import ROOT, subprocess_env, tiny
 
 
-def tiny_args(tmp_path, *extra):
-    images, masks = make_dataset(tmp_path / "data", n=6, size=16)
-    return [
-        "--image_dir", str(images), "--mask_dir", str(masks), "--image_size", "[16,16,16]",
-        "--channels", "[8,16]", "--attention_levels", "[false,true]", "--num_head_channels", "8",
-        "--norm_num_groups", "4", "--timesteps", "50", "--sampling_steps", "4", "--batch_size", "2",
-        "--train_num_steps", "4", "--save_every", "2", "--sample_every", "4", "--num_val_cases", "1",
-        "--results_dir", str(tmp_path / "run"), "--device", "cpu", "--quiet", *extra,
-    ]
+def test_tiny_flags_build_the_tiny_config(tmp_path):
+    """The one tiny run: its flags, parsed as train.py parses them, give exactly its config."""
+    for run in (tiny(tmp_path / "a"), tiny(tmp_path / "b", data=False, prediction="flow", sampler="heun",
+                                           precision="bf16", spacing=[1.0, 1.0, 2.0], image_dir=["x", "y"])):
+        assert cli.parse(run.flags)[1].to_dict() == run.cfg.to_dict()
+    run = tiny(tmp_path / "c", base=C.load(configs.DEFAULT))  # on the default config: its recipe stays
+    assert "--prediction" not in run.flags and cli.parse(run.flags)[1].diffusion.prediction == "flow"
 
 
+@pytest.mark.slow
 def test_demo_run_end_to_end(tmp_path):
-    """train.py exits 0 and leaves a checkpoint, an event file, a NIfTI sample and the resolved config."""
+    """train.py with the demo's flags, on the default config's recipe at 16³: exits 0 and leaves a
+    checkpoint, an event file, a NIfTI sample and the resolved config."""
+    run = tiny(tmp_path, base=C.load(configs.DEFAULT), sampling_steps=4, sample_every=4)
     proc = subprocess.run(
-        [sys.executable, "train.py", "--with_condition", "--accum", "2", *tiny_args(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "train.py", *run.flags, "--with_condition", "--accum", "2"],  # the README's demo flags
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = tmp_path / "run"
@@ -73,7 +74,7 @@ def test_with_condition_flag_and_config_file(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--no_such_flag", "1"], "unrecognized arguments"),
+        (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag 1"),
         (["--train_num_steps", "two"], "train_num_steps: expected an integer"),
         (["--precision", "fp8"], "precision: 'fp8' is not one of"),
         (["--accum", "0"], "gradient_accumulate_every: must be at least 1"),
@@ -81,18 +82,19 @@ def test_with_condition_flag_and_config_file(tmp_path):
     ],
 )
 def test_bad_flags_exit_2(argv, message, capsys):
+    """A bad flag or value: one line (no usage block), as in every other command, exit 2."""
     with pytest.raises(SystemExit) as exc:
         cli.run(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and message in line and line.endswith(" (see train.py --help)"), line
 
 
 def test_batch_size_auto_keeps_the_effective_batch(tmp_path):
     """--batch_size auto picks the micro-batch (here capped by --max_batch) and derives accum."""
-    args = tiny_args(tmp_path, "--batch_size", "auto", "--effective_batch", "6", "--max_batch", "4",
-                     "--train_num_steps", "1", "--sample_every", "100")
+    run = tiny(tmp_path, batch_size="auto", effective_batch=6, max_batch=4, train_num_steps=1)
     with pytest.raises(SystemExit) as exc:
-        cli.main(args)
+        cli.main(run.flags)
     assert exc.value.code == 0
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]
     assert (saved["batch_size"], saved["gradient_accumulate_every"]) == (3, 2)
@@ -110,7 +112,8 @@ def test_batch_size_auto_bad_values_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.run(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and message in line, line
 
 
 # ---- bundled configs -------------------------------------------------------------------------------------
@@ -129,7 +132,8 @@ def test_config_by_bundled_name_or_path(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.run(["--config", "no_such_recipe"])
     assert exc.value.code == 2
-    assert "no_such_recipe: config file not found (bundled configs: default, whole_head_128)" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: no_such_recipe: config file not found (bundled configs: default, whole_head_128) (see train.py --help)"]
     with pytest.raises(C.ConfigError):
         configs.find("configs/default.yaml")  # a path with folders is never taken for a bundled name
 
@@ -138,7 +142,7 @@ def test_resume_from_a_run_folder(tmp_path, caplog):
     """--resume takes a run folder as sample --checkpoint does (checkpoint.find_checkpoint): its newest
     valid checkpoint."""
     caplog.set_level(logging.INFO, logger="diffusion3d")
-    first = tiny_args(tmp_path, "--train_num_steps", "2", "--sample_every", "100")
+    first = tiny(tmp_path, train_num_steps=2).flags
     with pytest.raises(SystemExit) as exc:
         cli.main(first)
     assert exc.value.code == 0

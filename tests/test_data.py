@@ -16,30 +16,18 @@ import torch
 from monai.data import MetaTensor
 from monai.transforms import LoadImaged
 
-from conftest import ROOT, SHARED_DATA, configure, make_dataset, phantom, write_nifti
-from diffusion3d import config as C
 from diffusion3d import data as D
 from diffusion3d.data.discovery import _image_columns
+from tests.helpers import ROOT, SHARED_DATA, phantom, subprocess_env, tiny, write_nifti
 
 SIZE = 16
-
-
-def make_cfg(tmp_path: Path, **overrides) -> C.Config:
-    """A validated config with a 2-level UNet (grid divisible by 2) and no data written."""
-    cfg = C.Config(name="t")
-    values = dict(
-        image_size=[SIZE] * 3, intensity="range", channels=[8, 16], attention_levels=[False, True],
-        num_head_channels=8, norm_num_groups=4, results_dir=str(tmp_path / "run"), num_workers=0,
-    )
-    values.update(overrides)
-    return configure(cfg, **values)
 
 
 @pytest.fixture
 def pairs(tmp_path):
     """Three good 16³ phantom pairs and a config pointing at them."""
-    images, masks = make_dataset(tmp_path / "data", n=3, size=SIZE)
-    return images, masks, make_cfg(tmp_path, image_dir=str(images), mask_dir=str(masks))
+    run = tiny(tmp_path, n=3)
+    return run.images, run.masks, run.cfg
 
 
 def run_checks(cfg) -> list[dict]:
@@ -214,40 +202,38 @@ def test_modalities_with_different_affines(tmp_path):
     moved[2, 3] = 3.0
     target = write_nifti(tmp_path / "t2" / "a.nii.gz", image, moved)
     write_nifti(tmp_path / "m" / "a.nii.gz", mask)
-    cfg = make_cfg(tmp_path, image_dir=[str(tmp_path / "t1"), str(tmp_path / "t2")], mask_dir=str(tmp_path / "m"))
+    cfg = tiny(tmp_path, data=False, image_dir=[str(tmp_path / "t1"), str(tmp_path / "t2")],
+               mask_dir=str(tmp_path / "m")).cfg
     assert_error_names(cfg, target, "affine differs")
 
 
-def _check_data_args(tmp_path: Path, images: Path, masks: Path) -> list[str]:
-    return ["--check_data", "--image_dir", str(images), "--mask_dir", str(masks), "--image_size", "[16,16,16]",
-            "--results_dir", str(tmp_path / "run")]
-
-
+@pytest.mark.slow
 def test_check_data_command(tmp_path, capsys):
     """Bad data: exit 2, one line, no traceback, nothing created. Good data: the summary, exit 0."""
-    images, masks = make_dataset(tmp_path / "data", n=2, size=SIZE)
-    bad = masks / "case_001.nii.gz"
+    run = tiny(tmp_path, n=2)
+    argv = ["--check_data", *run.flags]
+    bad = run.masks / "case_001.nii.gz"
     good_bytes = bad.read_bytes()
     bad.write_bytes(good_bytes[: len(good_bytes) // 2])
-    proc = subprocess.run([sys.executable, "train.py", *_check_data_args(tmp_path, images, masks)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "train.py", *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"error: {bad}: truncated"), proc.stderr
     assert lines[1] == "error: 1 of 2 cases are bad; nothing was written"
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "run").exists()
+    assert not run.results.exists()
 
     bad.write_bytes(good_bytes)  # in-process from here: the same entry point, without a second interpreter start
     from diffusion3d import cli
 
     with pytest.raises(SystemExit) as exc:
-        cli.main(_check_data_args(tmp_path, images, masks))
+        cli.main(argv)
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for expected in ["cases: 2", "shapes: (16, 16, 16)", "spacings: (1.5, 1.5, 1.5)", "orientations: RAS", "labels: 0: "]:
         assert expected in out, out
-    assert not (tmp_path / "run").exists()
+    assert not run.results.exists()
 
 
 # ---- pairing ----------------------------------------------------------------------------------------
@@ -256,7 +242,7 @@ def test_suffixes_pair_brats_names(tmp_path):
         image, mask = phantom(SIZE, i)
         write_nifti(tmp_path / "img" / f"BraTS2021_0000{i}_t1.nii.gz", image)
         write_nifti(tmp_path / "seg" / f"BraTS2021_0000{i}_seg.nii.gz", mask)
-    cfg = make_cfg(tmp_path, image_dir=str(tmp_path / "img"), mask_dir=str(tmp_path / "seg"))
+    cfg = tiny(tmp_path, data=False, image_dir=str(tmp_path / "img"), mask_dir=str(tmp_path / "seg")).cfg
     with pytest.raises(D.DataError, match="image without mask"):
         D.discover(cfg)
     cfg.data.image_suffix, cfg.data.mask_suffix = "_t1", "_seg"
@@ -284,7 +270,7 @@ def _channel_means(cfg) -> list[float]:
 def test_modality_folders_stack_in_configured_order(tmp_path):
     seg = _modalities(tmp_path, ["t1", "t2", "flair"], [0.0, 10.0, 20.0])
     dirs = [str(tmp_path / n) for n in ("flair", "t1", "t2")]
-    cfg = make_cfg(tmp_path, image_dir=dirs, mask_dir=str(seg), intensity="none")
+    cfg = tiny(tmp_path, data=False, image_dir=dirs, mask_dir=str(seg), intensity="none").cfg
     assert len(run_checks(cfg)) == 2 and cfg.data.image_channels == 3
     base = float(phantom(SIZE, 0)[0].mean())
     assert _channel_means(cfg) == pytest.approx([base + 20, base, base + 10], abs=1e-4)
@@ -296,7 +282,7 @@ def test_manifest_single_and_numbered_image_columns(tmp_path):
     seg = _modalities(tmp_path, ["t1", "t2"], [0.0, 10.0])
     single = tmp_path / "single.csv"
     single.write_text("case,image,mask\n" + "".join(f"c{i},t1/c{i}.nii.gz,seg/c{i}.nii.gz\n" for i in range(2)))
-    cfg = make_cfg(tmp_path, manifest=str(single), intensity="none")
+    cfg = tiny(tmp_path, data=False, manifest=str(single), intensity="none").cfg
     cases = D.discover(cfg)
     assert [(c.name, c.images, c.mask) for c in cases] == [
         (f"c{i}", [tmp_path / "t1" / f"c{i}.nii.gz"], seg / f"c{i}.nii.gz") for i in range(2)
@@ -305,17 +291,17 @@ def test_manifest_single_and_numbered_image_columns(tmp_path):
 
     multi = tmp_path / "multi.csv"  # columns deliberately out of order: image_0 must still come first
     multi.write_text("case,mask,image_1,image_0\n" + "".join(f"c{i},seg/c{i}.nii.gz,t2/c{i}.nii.gz,t1/c{i}.nii.gz\n" for i in range(2)))
-    cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none", image_dir=["t1", "t2"])
+    cfg = tiny(tmp_path, data=False, manifest=str(multi), intensity="none", image_dir=["t1", "t2"]).cfg
     base = float(phantom(SIZE, 0)[0].mean())
     assert _channel_means(cfg) == pytest.approx([base, base + 10], abs=1e-4)
     # with a manifest the model's image channels follow its image columns, whatever image_dir says;
     # discovery finds them (the config reads no file) and records them in the config
-    cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none")
+    cfg = tiny(tmp_path, data=False, manifest=str(multi), intensity="none").cfg
     assert cfg.image_channels == 1 and cfg.data.image_channels is None
     assert len(D.discover(cfg)[0].images) == 2
     assert cfg.image_channels == 2 and cfg.to_dict()["data"]["image_channels"] == 2
     # a count set by hand is checked against what discovery finds
-    cfg = make_cfg(tmp_path, manifest=str(multi), intensity="none", image_channels=3)
+    cfg = tiny(tmp_path, data=False, manifest=str(multi), intensity="none", image_channels=3).cfg
     with pytest.raises(D.DataError, match=r"^\S*multi.csv: 2 image channel\(s\) per case, but image_channels is set to 3$"):
         D.discover(cfg)
 
@@ -324,7 +310,7 @@ def test_manifest_errors_name_the_file(tmp_path):
     seg = _modalities(tmp_path, ["t1"], [0.0])
     manifest = tmp_path / "m.csv"
     manifest.write_text("case,image,mask\nc0,t1/c0.nii.gz,seg/missing.nii.gz\n")
-    cfg = make_cfg(tmp_path, manifest=str(manifest))
+    cfg = tiny(tmp_path, data=False, manifest=str(manifest)).cfg
     with pytest.raises(D.DataError) as exc:
         D.discover(cfg)
     assert str(exc.value).startswith(f"{seg / 'missing.nii.gz'}: file not found")
@@ -337,7 +323,8 @@ def test_manifest_errors_name_the_file(tmp_path):
 def test_unconditional_needs_images_only(tmp_path):
     for i in range(2):
         write_nifti(tmp_path / "img" / f"c{i}.nii.gz", phantom(SIZE, i)[0])
-    cfg = make_cfg(tmp_path, image_dir=str(tmp_path / "img"), mask_dir=str(tmp_path / "no_masks"), with_condition=False)
+    cfg = tiny(tmp_path, data=False, image_dir=str(tmp_path / "img"), mask_dir=str(tmp_path / "no_masks"),
+               with_condition=False).cfg
     cases = D.discover(cfg)
     assert all(c.mask is None for c in cases)
     summaries = D.validate(cases, cfg)
@@ -354,8 +341,8 @@ def test_intensity_per_volume_and_per_channel(tmp_path):
     write_nifti(tmp_path / "a" / "c.nii.gz", ramp)
     write_nifti(tmp_path / "b" / "c.nii.gz", ramp * 1000 + 500)
     write_nifti(tmp_path / "m" / "c.nii.gz", (ramp > 20).astype(np.uint8))
-    cfg = make_cfg(tmp_path, image_dir=[str(tmp_path / "a"), str(tmp_path / "b")], mask_dir=str(tmp_path / "m"),
-                   intensity="percentile", lower_percentile=0.0, upper_percentile=100.0)
+    cfg = tiny(tmp_path, data=False, image_dir=[str(tmp_path / "a"), str(tmp_path / "b")], mask_dir=str(tmp_path / "m"),
+               intensity="percentile", lower_percentile=0.0, upper_percentile=100.0).cfg
     out = D.training_transforms(cfg)({"image": [str(tmp_path / "a" / "c.nii.gz"), str(tmp_path / "b" / "c.nii.gz")],
                                       "mask": str(tmp_path / "m" / "c.nii.gz")})
     image = out["image"]
@@ -368,8 +355,8 @@ def test_intensity_per_volume_and_per_channel(tmp_path):
 
 
 def test_padding_is_background(tmp_path):
-    images, masks = make_dataset(tmp_path / "data", n=1, size=SIZE)
-    cfg = make_cfg(tmp_path, image_dir=str(images), mask_dir=str(masks), image_size=[20, 20, 20])
+    run = tiny(tmp_path, n=1, image_size=[20, 20, 20])
+    images, masks, cfg = run.images, run.masks, run.cfg
     item = D.training_transforms(cfg)({"image": str(images / "case_000.nii.gz"), "mask": str(masks / "case_000.nii.gz")})
     assert item["image"].shape == (1, 20, 20, 20)
     assert (item["image"][:, :2] == -1).all() and (item["mask"][:, :2] == 0).all()
@@ -377,9 +364,7 @@ def test_padding_is_background(tmp_path):
 
 
 def test_disk_cache_equals_memory_cache_and_is_read_back(tmp_path, monkeypatch):
-    images, masks = make_dataset(tmp_path / "data", n=3, size=SIZE)
-    cfg = make_cfg(tmp_path, image_dir=str(images), mask_dir=str(masks), intensity="percentile",
-                   spacing=[2.0, 2.0, 2.0], image_size=[16, 16, 16])
+    cfg = tiny(tmp_path, n=3, intensity="percentile", spacing=[2.0, 2.0, 2.0]).cfg
     cases = D.discover(cfg)
     memory = D.build_dataset(cases, cfg)
     cfg.data.cache = "disk"
@@ -406,8 +391,8 @@ def test_disk_cache_equals_memory_cache_and_is_read_back(tmp_path, monkeypatch):
 
 
 def test_disk_cache_is_fresh_for_new_settings(tmp_path):
-    images, masks = make_dataset(tmp_path / "data", n=1, size=SIZE)
-    cfg = make_cfg(tmp_path, image_dir=str(images), mask_dir=str(masks), cache="disk")
+    run = tiny(tmp_path, n=1, cache="disk")
+    images, cfg = run.images, run.cfg
     cases = D.discover(cfg)
     assert D.build_dataset(cases, cfg, tmp_path / "cache")[0]["image"].shape == (1, 16, 16, 16)
     cfg.data.image_size = [8, 8, 8]
@@ -421,8 +406,7 @@ def test_disk_cache_is_fresh_for_new_settings(tmp_path):
 
 # ---- the stream -------------------------------------------------------------------------------------
 def _stream_dataset(tmp_path: Path, n: int = 5):
-    images, masks = make_dataset(tmp_path / "data", n=n, size=SIZE)
-    cfg = make_cfg(tmp_path, image_dir=str(images), mask_dir=str(masks))
+    cfg = tiny(tmp_path, n=n).cfg
     return D.build_dataset(D.discover(cfg), cfg), cfg
 
 
@@ -499,7 +483,7 @@ def _odd_mask(tmp_path: Path, smooth: bool) -> Path:
 
 
 def _roundtrip(tmp_path: Path, path: Path, **overrides) -> tuple[D.MaskGrid, np.ndarray, np.ndarray]:
-    cfg = make_cfg(tmp_path, image_size=[32, 32, 32], **overrides)
+    cfg = tiny(tmp_path, data=False, image_size=[32, 32, 32], **overrides).cfg
     grid = D.MaskGrid(path, cfg)
     assert grid.mask.shape == (1, 32, 32, 32) and grid.mask.dtype == torch.uint8
     assert grid.original_shape == ODD_SHAPE
@@ -555,7 +539,8 @@ def test_real_whole_head_pair(tmp_path):
     if not root.is_dir():
         pytest.skip(f"real data not present at {root}")
     image, mask = root / "image" / "sample_3.nii.gz", root / "mask" / "sample_3.nii.gz"
-    cfg = make_cfg(tmp_path, labels=[1, 2], intensity="range", intensity_range=[-1.0, 1.0], image_size=[128] * 3)
+    cfg = tiny(tmp_path, data=False, labels=[1, 2], intensity="range", intensity_range=[-1.0, 1.0],
+               image_size=[128] * 3).cfg
     (summary,) = D.validate([D.Case("sample_3", [image], mask)], cfg)
     assert summary["shape"] == (128, 128, 128) and summary["orientation"] == "RAS"
     assert set(summary["labels"]) == {0, 1, 2}

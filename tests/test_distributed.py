@@ -1,7 +1,8 @@
 """DDP through torchrun, on CPU with gloo and 2 processes.
 
 The multi-process tests launch this very file with ``python -m torch.distributed.run`` (the real
-launcher, so setup() reads real torchrun variables); the ``__main__`` block at the bottom is the worker.
+launcher, so setup() reads real torchrun variables); the ``__main__`` block at the bottom is the worker
+(``subprocess_env`` puts the repository on its PYTHONPATH, so it imports ``tests.helpers`` too).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
 from diffusion3d import checkpoint as ckpt
 from diffusion3d import distributed
 from diffusion3d.data import build_dataset, discover, split_cases
 from diffusion3d.trainer import Trainer
+from tests.helpers import ROOT, TORCHRUN_VARIABLES, subprocess_env, tiny, tiny_config
 
 WORLD, ACCUM, STEPS = 2, 2, 3  # 2 processes × batch 1 × accum 2  ==  1 process × batch 1 × accum 4
 TOLERANCE = 1e-5  # max |Δw| relative to the tensor's largest |w|
@@ -72,14 +73,11 @@ def _data(cfg):
 
 
 def _torchrun(mode: str, job: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            __file__, mode, str(job)]
     # own session: on a hang the whole tree (torchrun and its workers) is stopped by its group id
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
@@ -108,7 +106,7 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
 # ---- single process: no process group, helpers are identities --------------------------------------
 @pytest.fixture
 def no_torchrun_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -168,6 +166,7 @@ def test_device_per_rank(monkeypatch):
 
 
 # ---- 2 processes under torchrun ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
     """2 ranks × batch 1 × accum 2 == 1 process × batch 1 × accum 4, step by step; rank 0 alone writes;
     a checkpoint moves between 1 and 2 processes in both directions."""
@@ -243,6 +242,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
     _assert_close(resumed["model"], ref["model"], "resumed 2 → 1 process")
 
 
+@pytest.mark.slow
 def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path):
     """Rank 1 raises while rank 0 waits in a barrier: the job exits non-zero with rank 1's message."""
     proc = _torchrun("fail", tmp_path)
@@ -255,18 +255,11 @@ def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path):
     assert not (tmp_path / "rank0_passed_barrier").exists()
 
 
+@pytest.mark.slow
 def test_train_py_under_torchrun_then_resumed_in_one_process(tmp_path):
     """The command line itself under torchrun: rank 0 alone writes; a plain run resumes at the global position."""
-    from conftest import make_dataset
-
-    images, masks = make_dataset(tmp_path / "data", n=6, size=16)
-    run = tmp_path / "run"
-    flags = ["--image_dir", str(images), "--mask_dir", str(masks), "--image_size", "[16,16,16]",
-             "--channels", "[8,16]", "--attention_levels", "[false,true]", "--num_head_channels", "8",
-             "--norm_num_groups", "4", "--timesteps", "50", "--sampling_steps", "2", "--batch_size", "1",
-             "--num_val_cases", "1", "--device", "cpu", "--quiet", "--intensity", "range",
-             "--save_every", "2", "--sample_every", "100", "--results_dir", str(run)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tiny_run = tiny(tmp_path, sampling_steps=2, batch_size=1)
+    run, flags, env = tiny_run.results, tiny_run.flags, subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            "train.py", *flags, "--accum", "1", "--train_num_steps", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
@@ -283,24 +276,15 @@ def test_train_py_under_torchrun_then_resumed_in_one_process(tmp_path):
     assert ckpt.load(run / "checkpoints" / "step_00000003.pt")["samples_seen"] == 6
 
 
+@pytest.mark.slow
 def test_batch_size_auto_under_torchrun_writes_a_checkpoint_that_samples(tmp_path):
     """effective_batch is global: 2 processes plan batch_size × accum = effective_batch / 2, and the
     checkpoint they write (batch_size 1, accum 2, effective_batch 4) loads for sampling (it used to be
     refused for not being batch_size × accum)."""
-    from conftest import make_dataset
-
-    images, masks = make_dataset(tmp_path / "data", n=6, size=16)
-    run = tmp_path / "run"
-    flags = ["--image_dir", str(images), "--mask_dir", str(masks), "--image_size", "[16,16,16]",
-             "--channels", "[8,16]", "--attention_levels", "[false,true]", "--num_head_channels", "8",
-             "--norm_num_groups", "4", "--timesteps", "50", "--batch_size", "auto", "--effective_batch", "4",
-             "--max_batch", "1", "--num_val_cases", "1", "--device", "cpu", "--quiet", "--intensity", "range",
-             "--train_num_steps", "1", "--save_every", "1", "--sample_every", "100", "--results_dir", str(run)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
+    tiny_run = tiny(tmp_path, batch_size="auto", effective_batch=4, max_batch=1, train_num_steps=1, save_every=1)
+    run, masks, env = tiny_run.results, tiny_run.masks, subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           "train.py", *flags]
+           "train.py", *tiny_run.flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     state = ckpt.load(run / "checkpoints" / "step_00000001.pt")

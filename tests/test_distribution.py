@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import phantom, write_nifti
+from tests.helpers import phantom, write_nifti
 from diffusion3d import distribution as D
 from diffusion3d import evaluate as E
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import write_nifti
+from tests.helpers import write_nifti
 from diffusion3d import downstream as D
 from diffusion3d import evaluate as E
 

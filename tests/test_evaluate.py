@@ -11,8 +11,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import phantom, write_nifti
 from diffusion3d import evaluate as E
+from tests.helpers import phantom, write_nifti
 
 SIZE = 32  # MS-SSIM gets 3 scales at 32³
 

@@ -22,25 +22,19 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, configure, make_dataset, phantom, write_nifti
 from diffusion3d import checkpoint as ckpt
 from diffusion3d import cli
-from diffusion3d import config as C
 from diffusion3d import data as D
+from tests.helpers import ROOT, make_dataset, phantom, subprocess_env, tiny, write_nifti
 
 SIZE = 16
-TINY = [
-    "--image_size", "[16,16,16]", "--channels", "[8,16]", "--attention_levels", "[false,true]",
-    "--num_head_channels", "8", "--norm_num_groups", "4", "--timesteps", "20", "--sampling_steps", "2",
-    "--batch_size", "2", "--accum", "1", "--num_val_cases", "1", "--device", "cpu", "--quiet",
-    "--intensity", "range", "--save_every", "2", "--sample_every", "100", "--keep_last", "5",
-]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def args_for(data: Path, run: Path, *extra: str) -> list[str]:
-    return ["--image_dir", str(data / "images"), "--mask_dir", str(data / "masks"), "--results_dir", str(run),
-            *TINY, *extra]
+    """The tiny run's flags (20 timesteps, 2 sampling steps, 5 checkpoints kept) on data/{images,masks},
+    writing to run; extra flags last."""
+    flags = tiny(run.parent, data=data, results_dir=str(run), timesteps=20, sampling_steps=2, keep_last=5).flags
+    return [*flags, *extra]
 
 
 def call_main(argv: list[str], capsys) -> tuple[int, list[str], str]:
@@ -79,14 +73,6 @@ def never_read_voxels(monkeypatch):
 
     monkeypatch.setattr(nib.arrayproxy.ArrayProxy, "__array__", refuse)
     monkeypatch.setattr(nib.arrayproxy.ArrayProxy, "get_unscaled", refuse)
-
-
-def cfg_for(images: Path, masks: Path, tmp_path: Path, **overrides) -> C.Config:
-    values = dict(image_dir=str(images), mask_dir=str(masks), image_size=[SIZE] * 3, intensity="range",
-                  channels=[8, 16], attention_levels=[False, True], num_head_channels=8, norm_num_groups=4,
-                  results_dir=str(tmp_path / "run"), num_workers=0)
-    values.update(overrides)
-    return configure(C.Config(name="faults"), **values)
 
 
 # ---- 1. datatypes ----------------------------------------------------------------------------------------
@@ -183,6 +169,7 @@ def test_multi_member_gzip_is_measured_not_refused(tmp_path):
 
 
 # ---- 5. every problem at once ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_check_data_reports_every_bad_file_then_a_summary(tmp_path):
     """Eight cases, five broken in five ways: one line each (in case order), the count, exit 2, no traceback."""
     images, masks = make_dataset(tmp_path / "data", n=8, size=SIZE)
@@ -195,7 +182,7 @@ def test_check_data_reports_every_bad_file_then_a_summary(tmp_path):
     write_nifti(masks / "case_006.nii.gz", mask6)
     proc = subprocess.run([sys.executable, "train.py", "--check_data", "--num_workers", "2",
                            *args_for(tmp_path / "data", tmp_path / "run")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr
@@ -214,9 +201,9 @@ def test_check_data_reports_every_bad_file_then_a_summary(tmp_path):
 
 
 def test_workers_report_the_same_as_one_process(tmp_path):
-    images, masks = make_dataset(tmp_path / "data", n=6, size=SIZE)
+    run = tiny(tmp_path)
+    images, masks, cfg = run.images, run.masks, run.cfg
     (images / "case_003.nii.gz").write_bytes(b"garbage")
-    cfg = cfg_for(images, masks, tmp_path)
     cases = D.discover(cfg)
     outcomes = []
     for workers in (0, 2):
@@ -232,11 +219,12 @@ def test_workers_report_the_same_as_one_process(tmp_path):
 
 
 def test_every_unpaired_file_is_reported(tmp_path):
-    images, masks = make_dataset(tmp_path / "data", n=4, size=SIZE)
+    run = tiny(tmp_path, n=4)
+    images, masks = run.images, run.masks
     (masks / "case_001.nii.gz").unlink()
     (images / "case_003.nii.gz").unlink()
     with pytest.raises(D.DataProblems) as exc:
-        D.discover(cfg_for(images, masks, tmp_path))
+        D.discover(run.cfg)
     assert exc.value.errors == [
         f"{images / 'case_001.nii.gz'}: image without mask (no case 'case_001' in {masks})",
         f"{masks / 'case_003.nii.gz'}: mask without image (no case 'case_003' in {images})",
@@ -253,9 +241,11 @@ HOLD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_second_run_on_a_folder_stops_and_a_killed_holder_leaves_no_stale_lock(run_copy, capsys):
     data, run = run_copy
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=ENV)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env())
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = sorted(p.relative_to(run) for p in run.rglob("*"))
@@ -499,13 +489,14 @@ KILL_DURING_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write(run_copy, capsys):
     """The writer is SIGKILLed mid-file: its temp file is never taken for a checkpoint, the newest valid
     one is resumed from, and the next run (holding the lock) removes the orphan."""
     data, run = run_copy
     folder = run / "checkpoints"
     writer = subprocess.Popen([sys.executable, "-c", KILL_DURING_SAVE, str(folder)], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True, env=ENV)
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
     try:
         assert writer.stdout.readline().strip() == "writing"
     finally:

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-from conftest import phantom, tiny_config
 from monai.data import MetaTensor
 
 from diffusion3d.diffusion import GaussianDiffusion
 from diffusion3d.model import Denoiser, build_model, count_parameters
+from tests.helpers import phantom, tiny_config
 
 SIZE = 16
 
@@ -93,12 +93,50 @@ def test_activation_checkpointing_changes_no_output_or_gradient():
     assert len(calls) == 3, "without gradients a block runs once"
 
 
+def tiny_unet_parameters_by_hand(image_channels: int, cond_channels: int) -> int:
+    """Parameters of MONAI's DiffusionModelUNet in the tiny layout (channels 8/16, attention at level 2 only,
+    one res block per level, time embedding 4 × 8), counted layer by layer from its architecture."""
+
+    def conv(i: int, o: int, k: int = 3) -> int:
+        return i * o * k**3 + o
+
+    def linear(i: int, o: int) -> int:
+        return i * o + o
+
+    def norm(c: int) -> int:
+        return 2 * c
+
+    def res(i: int, o: int) -> int:  # norm, conv, time projection, norm, conv, 1³ skip conv if the width changes
+        return norm(i) + conv(i, o) + linear(32, o) + norm(o) + conv(o, o) + (conv(i, o, 1) if i != o else 0)
+
+    def attention(c: int) -> int:  # norm, q, k, v, out
+        return norm(c) + 4 * linear(c, c)
+
+    stem = conv(image_channels + cond_channels, 8) + linear(8, 32) + linear(32, 32)
+    down = res(8, 8) + conv(8, 8) + res(8, 16) + attention(16)  # level 1 downsamples; level 2 is the last
+    middle = res(16, 16) + attention(16) + res(16, 16)
+    # up: each res block takes the skip of one down output (16, then 8 at level 2; 8, 8 at level 1)
+    up = res(16 + 16, 16) + res(16 + 8, 16) + 2 * attention(16) + conv(16, 16) + res(16 + 8, 8) + res(8 + 8, 8)
+    head = norm(8) + conv(8, image_channels)
+    return stem + down + middle + up + head
+
+
+def test_count_parameters_counts_each_tensor_once():
+    conv = torch.nn.Conv3d(3, 8, 3)
+    assert count_parameters(conv) == 3 * 8 * 27 + 8
+    assert count_parameters(torch.nn.Sequential(conv, conv)) == 3 * 8 * 27 + 8  # a shared layer counts once
+
+
 def test_build_model_from_config(tmp_path):
+    """build_model passes the config's layout to the UNet: the parameter count of the tiny layout, with and
+    without the two mask channels, and activation checkpointing as configured."""
     cfg = tiny_config(tmp_path, activation_checkpointing=True)
     model = build_model(cfg)
-    assert model.activation_checkpointing and model.cond_channels == cfg.cond_channels
-    assert count_parameters(model) == sum(p.numel() for p in model.parameters()) > 0
-    assert not build_model(tiny_config(tmp_path / "b")).activation_checkpointing
+    assert model.activation_checkpointing and (cfg.image_channels, cfg.cond_channels) == (1, 2)
+    assert model.cond_channels == 2 and count_parameters(model) == tiny_unet_parameters_by_hand(1, 2) == 112_505
+    plain = build_model(tiny_config(tmp_path / "b", with_condition=False))
+    assert not plain.activation_checkpointing and plain.cond_channels == 0
+    assert count_parameters(plain) == tiny_unet_parameters_by_hand(1, 0)
 
 
 def test_tiny_model_overfits_one_phantom_pair():

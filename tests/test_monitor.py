@@ -6,10 +6,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import tiny_config
 from diffusion3d.data import build_dataset, discover, split_cases
 from diffusion3d.monitor import Monitor, mid_slices, montage, peak_rss_gb
 from diffusion3d.trainer import Trainer
+from tests.helpers import tiny_config
 
 SCALARS_CPU = {
     "train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "perf/volumes_per_sec", "perf/step_time",

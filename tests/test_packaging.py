@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, make_dataset
+from tests.helpers import ROOT, make_dataset
 
 pytestmark = pytest.mark.slow
 

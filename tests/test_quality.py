@@ -7,18 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA, tiny_config
 from diffusion3d import quality as Q
 from diffusion3d.bench import main as bench_main
+from tests.helpers import SHARED_DATA, tiny
 
 REAL = SHARED_DATA / "whole_head"
 
 
 def tiny_yaml(tmp_path):
-    cfg = tiny_config(tmp_path, timesteps=50, sampling_steps=2, ema_decay=0.9)
-    path = tmp_path / "tiny.yaml"
-    path.write_text(cfg.to_yaml())
-    return path
+    """The tiny run (2 sampling steps, a fast EMA) as the --config the command trains."""
+    return tiny(tmp_path, sampling_steps=2, ema_decay=0.9).yaml()
 
 
 def test_phantom_sets_are_seeded_and_the_test_masks_are_not_trained_on(tmp_path):

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import phantom, write_nifti
+from tests.helpers import phantom, write_nifti
 from diffusion3d import evaluate as E
 from diffusion3d import report as R
 

@@ -14,10 +14,10 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny_config, write_nifti
 from diffusion3d import sample as S
 from diffusion3d.data import build_dataset, discover, split_cases
 from diffusion3d.trainer import Trainer
+from tests.helpers import ROOT, subprocess_env, tiny_config, write_nifti
 
 
 @pytest.fixture(scope="module")
@@ -202,12 +202,13 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(run, tmp_path, capsy
         assert (out / "a_good_sample1.nii.gz").read_bytes() == b"keep me"
 
 
+@pytest.mark.slow
 def test_module_entry_point_one_line_error(tmp_path):
     """``python -m diffusion3d.sample`` itself: exit 2, a single stderr line, no traceback."""
     proc = subprocess.run(
         [sys.executable, "-m", "diffusion3d.sample", "--checkpoint", str(tmp_path / "missing.pt"),
          "--masks", str(tmp_path), "--out", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env(),
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing.pt'}: checkpoint not found"]

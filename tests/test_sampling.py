@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_config, write_nifti
 from diffusion3d import checkpoint as ckpt
 from diffusion3d import config as C
 from diffusion3d import sampling
@@ -15,10 +14,11 @@ from diffusion3d.cli import build_trainer
 from diffusion3d.data import discover
 from diffusion3d.diffusion import SAMPLER_STEPS, GaussianDiffusion, RectifiedFlow
 from diffusion3d.model import build_model
+from tests.helpers import tiny_config, write_nifti
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def untrained(tmp_path_factory):
     """An untrained tiny model and its config (the loops and seeds do not care about training)."""
     cfg = tiny_config(tmp_path_factory.mktemp("tiny"))
     torch.manual_seed(0)
@@ -30,10 +30,10 @@ def random_mask(cfg, seed: int) -> sampling.ModelGridMask:
     return sampling.ModelGridMask(torch.randint(0, 3, (1, *cfg.data.image_size), generator=g, dtype=torch.uint8))
 
 
-def test_batch_of_one_equals_diffusion_sample_and_keeps_its_noise_in_a_batch(tiny):
+def test_batch_of_one_equals_diffusion_sample_and_keeps_its_noise_in_a_batch(untrained):
     """Volume b of a batch draws its noise as diffusion.sample(seed=seeds[b]) does for a batch of one, for
     every sampler (the loops must not drift apart); in a batch of two a volume keeps its noise."""
-    model, cfg = tiny
+    model, cfg = untrained
     diffusion = GaussianDiffusion.from_config(cfg)
     grids = [random_mask(cfg, 0), random_mask(cfg, 1)]
     cond = grids[0].cond(cfg.data.labels)[None]
@@ -50,10 +50,10 @@ def test_batch_of_one_equals_diffusion_sample_and_keeps_its_noise_in_a_batch(tin
     assert (pair[1].model_grid - pair[0].model_grid).abs().max() > 0.1
 
 
-def test_generate_batches_in_order_and_writes_on_each_masks_grid(tiny, tmp_path):
+def test_generate_batches_in_order_and_writes_on_each_masks_grid(untrained, tmp_path):
     """Three masks of different shapes in batches of 2: volumes come back in order, each on its mask's grid,
     and a volume does not depend on the batch size (to float rounding)."""
-    model, cfg = tiny
+    model, cfg = untrained
     grids = []
     for i, shape in enumerate([(20, 18, 14), (16, 16, 16), (12, 24, 16)]):
         mask = np.zeros(shape, np.uint8)
@@ -79,8 +79,8 @@ def test_generate_batches_in_order_and_writes_on_each_masks_grid(tiny, tmp_path)
         list(sampling.generate(model, cfg, grids, seeds[:2]))
 
 
-def test_load_mask_reads_the_file_once(tiny, tmp_path, monkeypatch):
-    _, cfg = tiny
+def test_load_mask_reads_the_file_once(untrained, tmp_path, monkeypatch):
+    _, cfg = untrained
     mask = np.zeros((16, 16, 16), np.uint8)
     mask[4:12, 4:12, 4:12] = 2
     path = write_nifti(tmp_path / "m.nii.gz", mask)
@@ -121,9 +121,9 @@ def test_guidance_needs_a_conditional_model(tmp_path):
 
 
 @pytest.mark.parametrize("precision, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float32)])
-def test_generate_runs_the_runs_precision_resolved_for_the_device(tiny, precision, expected):
+def test_generate_runs_the_runs_precision_resolved_for_the_device(untrained, precision, expected):
     """bf16 autocasts on the CPU (as training did); fp16 does not exist there, so it samples in fp32."""
-    model, cfg = tiny
+    model, cfg = untrained
     cfg = C.from_dict(cfg.to_dict())
     cfg.train.precision = precision
     seen = []
