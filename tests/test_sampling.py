@@ -159,3 +159,19 @@ def test_volume_seed_depends_on_seed_case_and_index_only():
     seeds = {sampling.volume_seed(s, c, i) for s in (0, 1) for c in ("a", "b") for i in (0, 1)}
     assert len(seeds) == 8
     assert sampling.volume_seed(3, "case", 2) == sampling.volume_seed(3, "case", 2)
+
+
+def test_guidance_on_a_model_trained_without_dropout_warns(tmp_path, caplog):
+    from diffusion3d import sampling
+    from tests.helpers import tiny_config
+    cfg = tiny_config(tmp_path, prediction="flow", sampler="heun", loss="l2", cond_drop_prob=0.0)
+    with caplog.at_level("WARNING", logger="diffusion3d.sampling"):
+        assert sampling.resolve(cfg, guidance=1.0).guidance == 1.0
+        assert not caplog.records
+        assert sampling.resolve(cfg, guidance=1.5).guidance == 1.5
+    assert any("without condition dropout" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    cfg.diffusion.cond_drop_prob = 0.1
+    with caplog.at_level("WARNING", logger="diffusion3d.sampling"):
+        sampling.resolve(cfg, guidance=1.5)
+    assert not caplog.records
