@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffusion3d.phantoms import SPACING, make_case, save
+from diffusion3d.synthetic import SPACING, make_case, save
 
 
 def main() -> None:

@@ -4,21 +4,14 @@ the resume compatibility check, the folder lock (one writer per results folder) 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: no folder lock (a warning says so)
-    fcntl = None  # type: ignore[assignment]
+from .storage import atomic_write, check_free_space, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +34,6 @@ BREAKING_KEYS = {
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not fit this run; the message names the file."""
-
-
-class StorageError(RuntimeError):
-    """Writing failed in the OS (no space, I/O error, read-only or forbidden folder): a fault, not bad input.
-
-    One line naming the path and the OS error; the command line exits 1 with it.
-    """
-
-    def __init__(self, message: str, errno_: int | None = None) -> None:
-        super().__init__(message)
-        self.errno = errno_
-
-
-class FolderLockedError(RuntimeError):
-    """Another live process holds the folder's lock; the message names the folder and its pid."""
-
-
-def storage_error(path: Path | str, exc: OSError, what: str) -> StorageError:
-    """``path: cannot write <what>: <OS error> (ENOSPC)`` from an OSError, with a hint for the full disk."""
-    code = exc.errno
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    name = f" ({errno.errorcode[code]})" if code in errno.errorcode else ""
-    hint = "; free some space and run the same command again" if code in (errno.ENOSPC, errno.EDQUOT) else ""
-    return StorageError(f"{path}: cannot write {what}: {reason}{name}{hint}", code)
 
 
 def checkpoint_name(step: int) -> str:
@@ -94,19 +63,6 @@ def state_nbytes(state: Any) -> int:
     return total
 
 
-def check_free_space(folder: Path, needed: int, what: str) -> None:
-    """StorageError (ENOSPC) before a write of ``needed`` bytes that the folder's filesystem cannot take."""
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return  # cannot tell: let the write itself find out
-    if free < needed:
-        raise StorageError(
-            f"{folder}: not enough free space for {what}: needs about {needed / 2**20:.1f} MiB, "
-            f"{free / 2**20:.1f} MiB free; free some space and run the same command again", errno.ENOSPC
-        )
-
-
 class _TrackedFile:
     """A file wrapper that remembers the OSError of a failed write: torch.save reports it as a bare
     RuntimeError ("file write failed"), which would hide ENOSPC / EIO from the user."""
@@ -127,7 +83,7 @@ class _TrackedFile:
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """Temp file in the same folder, flushed and fsynced, then ``os.replace``: never a partial file.
+    """``storage.atomic_write`` of ``torch.save(state)``: never a partial file.
 
     Refuses to start when the filesystem has less free space than the state's tensors need. Any OS
     failure (ENOSPC, EIO, read-only) raises StorageError naming the path; the temp file is removed and
@@ -140,31 +96,18 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
         raise storage_error(path.parent, e, "the checkpoint folder") from None
     needed = int(state_nbytes(state) * 1.05) + 2**20  # pickled structure and zip headers on top of the tensors
     check_free_space(path.parent, needed, f"checkpoint {path.name}")
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tracked = None
-    try:
-        with open(tmp, "wb") as f:
-            tracked = _TrackedFile(f)
+    atomic_write(path, lambda tmp: _torch_save(state, tmp), "checkpoint")
+
+
+def _torch_save(state: dict[str, Any], tmp: Path) -> None:
+    with open(tmp, "wb") as f:
+        tracked = _TrackedFile(f)
+        try:
             torch.save(state, tracked)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as e:
-        raise storage_error(path, e, "checkpoint") from None
-    except RuntimeError:
-        if tracked is not None and tracked.error is not None:
-            raise storage_error(path, tracked.error, "checkpoint") from None
-        raise
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        except RuntimeError:
+            if tracked.error is not None:  # torch.save's "file write failed": the OSError underneath
+                raise tracked.error from None
+            raise
 
 
 def remove_stale_temps(folder: Path) -> list[Path]:
@@ -183,89 +126,6 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     if removed:
         log.info("removed %d temp file(s) left by an interrupted write in %s", len(removed), folder)
     return removed
-
-
-# ---- one writer per folder ------------------------------------------------------------------------------
-LOCK_NAME = ".lock"
-
-
-class FolderLock:
-    """An exclusive ``flock`` on ``<folder>/.lock`` (which holds the owner's pid). The kernel drops it when
-    the process ends, however it ends, so a SIGKILLed run never leaves a stale lock behind (at most a
-    stale *file*, which the next process simply locks). A clean release removes the file, while still
-    holding the lock; lock_folder re-checks that the file it locked is still the one at the path."""
-
-    def __init__(self, folder: Path, fd: int | None) -> None:
-        self.folder, self._fd, self._pid = Path(folder), fd, os.getpid()
-
-    def release(self) -> None:
-        if self._fd is not None and os.getpid() == self._pid:  # never from a forked child (loader workers)
-            fd, self._fd = self._fd, None
-            try:
-                with contextlib.suppress(OSError):
-                    (self.folder / LOCK_NAME).unlink()
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
-
-    def __enter__(self) -> FolderLock:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        self.release()
-
-
-def _holder_pid(fd: int) -> str:
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        text = os.read(fd, 32).decode(errors="replace").strip()
-    except OSError:
-        text = ""
-    return text if text.isdigit() else "unknown"
-
-
-def lock_folder(folder: Path, what: str = "run") -> FolderLock:
-    """Take ``folder``'s lock (creating the folder) or raise FolderLockedError naming the holder's pid."""
-    folder = Path(folder)
-    lock_path = folder / LOCK_NAME
-    for _ in range(100):  # retried only while other processes release (and remove) the file under us
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise storage_error(lock_path, e, "the folder's lock file") from None
-        if fcntl is None:
-            os.close(fd)
-            log.warning("%s: no fcntl on this system; another process could write into this folder too", folder)
-            return FolderLock(folder, None)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _holder_pid(fd)
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise FolderLockedError(
-                    f"{folder}: in use by another {what} (pid {holder}); wait for it to end or use another folder"
-                ) from None
-            raise storage_error(lock_path, e, "the folder's lock") from None
-        try:
-            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # locked a file its holder removed on release: lock the current one instead
-    else:
-        raise FolderLockedError(f"{folder}: its lock file keeps changing; another process is taking it")
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-    except OSError:
-        pass  # the lock holds without the pid; a second process then reports "pid unknown"
-    return FolderLock(folder, fd)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -362,3 +222,34 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[
                 line = f"{section}.{key}: {old.get(key)!r} -> {new.get(key)!r}"
                 (breaking if key in BREAKING_KEYS.get(section, ()) else harmless).append(line)
     return breaking, harmless
+
+
+def select_checkpoint(resume: str, overwrite: bool, folder: Path,
+                      config: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    """Apply ``--resume auto|none|PATH`` to a run's ``checkpoints/`` folder: None to start afresh, else the
+    (path, state) to continue from (PATH: a file, or a run or checkpoints folder: its newest valid one).
+    CheckpointError for what cannot be resumed: checkpoints that ``none`` would silently replace, a folder of
+    only corrupt files, a config that differs in keys that break the run."""
+    folder = Path(folder)
+    existing = list_checkpoints(folder)
+    if resume == "none":
+        if existing and not overwrite:
+            raise CheckpointError(f"{folder}: holds {len(existing)} checkpoint(s); use --resume auto to continue "
+                                  "or --overwrite to start afresh")
+        return None
+    if resume == "auto":
+        found = load_latest_valid(folder)
+        if found is None and existing:
+            raise CheckpointError(f"{folder}: no valid checkpoint among {len(existing)} file(s)")
+    else:
+        found = find_checkpoint(Path(resume))
+    if found is None:
+        return None
+    path, state = found
+    breaking, harmless = config_differences(state["config"], config)
+    if breaking:
+        raise CheckpointError(f"{path}: the config differs from the checkpoint's in ways that break the run: "
+                              + "; ".join(breaking) + " (use another --results_dir, or --resume none --overwrite)")
+    for line in harmless:
+        log.info("config change since the checkpoint (allowed): %s", line)
+    return path, state

@@ -34,13 +34,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .seeding import SALT_COND_DROP, SALT_NOISE, SALT_SAMPLING, derive_seed
+
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-# Salts that keep the independent random streams of one run apart.
-SALT_NOISE = 1
-SALT_PERMUTATION = 2
-SALT_SAMPLING = 3
-SALT_COND_DROP = 4
 GAUSSIAN_SAMPLERS = ("ddim", "ddpm", "dpmpp2m")
 FLOW_SAMPLERS = ("euler", "heun")
 SAMPLERS = GAUSSIAN_SAMPLERS + FLOW_SAMPLERS
@@ -48,12 +45,6 @@ SAMPLERS = GAUSSIAN_SAMPLERS + FLOW_SAMPLERS
 # (the benchmark's defaults too). None: every training timestep (ddpm always defaults to all of them).
 SAMPLER_STEPS: dict[str, int | None] = {"ddim": 50, "ddpm": None, "dpmpp2m": 20, "euler": 25, "heun": 25}
 FLOW_TIME_SCALE = 1000.0  # flow time t in [0, 1] reaches the UNet's sinusoidal embedding as t * 1000
-
-
-def derive_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (run seed, purpose, index, ...)."""
-    state = np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFFFFFF for p in parts]).generate_state(2, np.uint32)
-    return int((int(state[0]) << 31) ^ int(state[1]))
 
 
 def make_betas(schedule: str, timesteps: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from einops import rearrange
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
-from .checkpoint import storage_error
+from .storage import storage_error
 
 
 def peak_rss_bytes() -> int:

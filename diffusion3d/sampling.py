@@ -20,7 +20,6 @@ command reproduces it (bitwise) from the checkpoint of the same step.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,8 @@ import torch
 from . import checkpoint as ckpt
 from . import config as C
 from .data import DataError, MaskGrid, check_mask_labels, mask_to_cond, max_volume_bytes, read_volume, save_nifti
-from .diffusion import SAMPLERS, derive_seed, make_diffusion
+from .diffusion import SAMPLERS, make_diffusion
+from .seeding import volume_seed
 from .model import build_model
 from .precision import autocast_factory, resolve_precision
 
@@ -50,11 +50,6 @@ class SamplingError(ValueError):
 
 
 # ---- seeds and intensities --------------------------------------------------------------------------
-def volume_seed(seed: int, case: str, index: int) -> int:
-    """The seed of volume ``index`` of mask ``case`` (crc32: stable across processes, unlike hash())."""
-    return derive_seed(seed, zlib.crc32(case.encode("utf-8")), index)
-
-
 def to_output_intensity(volume: np.ndarray, cfg) -> np.ndarray:
     """Model range [-1, 1] → [0, 1] (unit), kept (model), or the fixed source range (source)."""
     kind = cfg.data.output_intensity

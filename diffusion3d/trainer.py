@@ -22,7 +22,8 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from . import checkpoint as ckpt
-from .data import SampleStream, make_loader, mask_to_cond
+from .config import Config
+from .data import SampleStream, build_dataset, make_loader, mask_to_cond, split_cases
 from .diffusion import make_diffusion
 from .model import build_model
 from .monitor import Monitor, peak_rss_gb
@@ -347,3 +348,11 @@ class Trainer:
         else:
             values["mem/rss_gb"] = peak_rss_gb()
         monitor.scalars(self.step, values)
+
+
+def build_trainer(cfg: Config, cases: list, device, results: Path | None, rank: int = 0, world_size: int = 1) -> Trainer:
+    """Split the cases, cache the training set, and build the Trainer."""
+    train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else (results or Path(".")) / "cache"
+    dataset = build_dataset(train_cases, cfg, cache_dir)
+    return Trainer(cfg, dataset, device, results, val_cases, rank, world_size)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from diffusion3d import bench
+from diffusion3d.commands import bench
 from diffusion3d.memory import synthetic_trainer
 from tests.helpers import ROOT, subprocess_env, tiny, tiny_config
 
@@ -50,7 +50,7 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
     cfg, config = run.cfg, run.yaml()
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "diffusion3d.bench", "--config", str(config), "--sizes", "16", "--precisions", "fp32",
+        [sys.executable, "-m", "diffusion3d", "bench", "--config", str(config), "--sizes", "16", "--precisions", "fp32",
          "--checkpointing", "off", "--accum", "2", "--quick", "--parts", "train", "--isolate", "on",
          "--no_estimate", "--device", "cpu", "--threads", "1", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env(),

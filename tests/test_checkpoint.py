@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from diffusion3d import checkpoint as ckpt
-from diffusion3d.cli import build_trainer
+from diffusion3d import storage
+from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover
 from tests.helpers import ROOT, Tiny, subprocess_env, tiny, tiny_config
 
@@ -157,7 +158,7 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(ckpt.StorageError, match="No space left on device"):
+    with pytest.raises(storage.StorageError, match="No space left on device"):
         ckpt.save_atomic({"x": torch.ones(3)}, path)
     assert path.read_bytes() == original
     assert [p.name for p in path.parent.iterdir()] == [path.name]

@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diffusion3d import _cli, cli, configs
+from diffusion3d import configs
+
+from diffusion3d.commands import common as _cli
+
+from diffusion3d.commands import train as cli
 from diffusion3d import checkpoint as ckpt
+from diffusion3d import storage
 from diffusion3d import config as C
 from diffusion3d.data import DataError, DataProblems
 from tests.helpers import ROOT, subprocess_env, tiny
@@ -120,7 +125,7 @@ def test_batch_size_auto_bad_values_exit_2(argv, message, capsys):
 def test_config_by_bundled_name_or_path(tmp_path, capsys):
     """--config takes a bundled config's name (with or without .yaml) or a path; the default ships inside
     the package, so an install without the source tree finds it."""
-    assert cli.DEFAULT_CONFIG == configs.DEFAULT and configs.DEFAULT.parent == Path(cli.__file__).parent / "configs"
+    assert cli.DEFAULT_CONFIG == configs.DEFAULT and configs.DEFAULT.parent == Path(cli.__file__).parent.parent / "configs"
     assert {"default", "whole_head_128"} <= set(configs.names())
     args, cfg = cli.parse(["--config", "whole_head_128"])
     assert cfg.name == "whole_head_128" and cfg.data.image_size == [128, 128, 128]
@@ -160,8 +165,8 @@ def test_resume_from_a_run_folder(tmp_path, caplog):
     (DataError("a.nii.gz: not a 3D volume"), 2, "error: a.nii.gz: not a 3D volume"),
     (C.ConfigError("lr: expected a number"), 2, "error: lr: expected a number"),
     (ckpt.CheckpointError("s.pt: unreadable checkpoint"), 2, "error: s.pt: unreadable checkpoint"),
-    (ckpt.FolderLockedError("out: in use by another run (pid 1)"), 2, "error: out: in use by another run (pid 1)"),
-    (ckpt.StorageError("s.pt: cannot write checkpoint: No space left on device (ENOSPC)"), 1,
+    (storage.FolderLockedError("out: in use by another run (pid 1)"), 2, "error: out: in use by another run (pid 1)"),
+    (storage.StorageError("s.pt: cannot write checkpoint: No space left on device (ENOSPC)"), 1,
      "error: s.pt: cannot write checkpoint: No space left on device (ENOSPC)"),
     (OSError(errno.EIO, "Input/output error", "/x/y"), 1, "error: /x/y: Input/output error"),
     (OSError(errno.EIO, "Input/output error"), 1, "error: Input/output error"),
@@ -216,7 +221,10 @@ COMMANDS = {"cli", "sample", "evaluate", "evaluate_cli", "bench", "quality", "_c
 
 
 def test_commands_share_the_helper_and_the_library_does_not_import_it():
-    from diffusion3d import bench, evaluate, quality, sample
+    from diffusion3d.commands import bench
+    from diffusion3d.commands import evaluate
+    from diffusion3d.commands import quality
+    from diffusion3d.commands import sample
 
     for module in (cli, sample, evaluate, bench, quality):
         assert module.InputError is _cli.InputError, module.__name__

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from diffusion3d import cli
+from diffusion3d.commands import train as cli
 from diffusion3d import config as C
 from tests.helpers import ROOT, configure
 

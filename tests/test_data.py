@@ -225,7 +225,7 @@ def test_check_data_command(tmp_path, capsys):
     assert not run.results.exists()
 
     bad.write_bytes(good_bytes)  # in-process from here: the same entry point, without a second interpreter start
-    from diffusion3d import cli
+    from diffusion3d.commands import train as cli
 
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)

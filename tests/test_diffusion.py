@@ -14,11 +14,11 @@ from diffusion3d.diffusion import (
     FLOW_TIME_SCALE,
     GaussianDiffusion,
     RectifiedFlow,
-    derive_seed,
     make_betas,
     resolution_shift,
     shift_time,
 )
+from diffusion3d.seeding import derive_seed
 
 T = 250
 MU, S = 0.1, 0.3  # toy data: x0 ~ N(MU, S²) i.i.d. per voxel

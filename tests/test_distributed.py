@@ -293,7 +293,7 @@ def test_batch_size_auto_under_torchrun_writes_a_checkpoint_that_samples(tmp_pat
     assert state["samples_seen"] == 4  # one step of the global effective batch
 
     out = tmp_path / "samples"
-    sample = subprocess.run([sys.executable, "-m", "diffusion3d.sample", "--checkpoint", str(run), "--masks",
+    sample = subprocess.run([sys.executable, "-m", "diffusion3d", "sample", "--checkpoint", str(run), "--masks",
                              str(masks / "case_000.nii.gz"), "--out", str(out), "--steps", "2", "--device", "cpu",
                              "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert sample.returncode == 0, sample.stderr[-3000:]

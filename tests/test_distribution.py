@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import phantom, write_nifti
-from diffusion3d import distribution as D
-from diffusion3d import evaluate as E
+from diffusion3d.evaluation import fid as D
+from diffusion3d.commands import evaluate as E
 
 SIZE = 16
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import write_nifti
-from diffusion3d import downstream as D
-from diffusion3d import evaluate as E
+from diffusion3d.evaluation import downstream as D
+from diffusion3d.commands import evaluate as E
 
 SIZE = 16
 

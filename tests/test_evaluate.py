@@ -11,7 +11,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from diffusion3d import evaluate as E
+from diffusion3d.commands import evaluate as E
+from diffusion3d.evaluation import inputs, metrics, scores
 from tests.helpers import phantom, write_nifti
 
 SIZE = 32  # MS-SSIM gets 3 scales at 32³
@@ -109,15 +110,15 @@ def test_sample_that_ignores_the_mask_shows_in_label_stats(folders, capsys):
 
 
 def test_scale_helpers():
-    assert [E.ms_ssim_scales((s,) * 3) for s in (13, 16, 32, 40, 64, 128)] == [0, 2, 3, 3, 4, 5]
-    assert E.ssim_window((40, 36, 30)) == 11 and E.ssim_window((8, 9, 9)) == 7
+    assert [scores.ms_ssim_scales((s,) * 3) for s in (13, 16, 32, 40, 64, 128)] == [0, 2, 3, 3, 4, 5]
+    assert metrics.ssim_window((40, 36, 30)) == 11 and metrics.ssim_window((8, 9, 9)) == 7
     small = [torch.rand(1, 1, 12, 12, 12) for _ in range(2)]
-    value, pairs, note = E.diversity(small)
+    value, pairs, note = scores.diversity(small)
     assert value is None and pairs == 0 and "too small" in note
-    unit = E.to_unit(np.array([[[-1.0, 0.0, 0.5, 2.0]]]), 0.0, 1.0)
+    unit = inputs.to_unit(np.array([[[-1.0, 0.0, 0.5, 2.0]]]), 0.0, 1.0)
     assert unit.shape == (1, 1, 1, 1, 4) and unit.flatten().tolist() == [0.0, 0.0, 0.5, 1.0]
     # Without --real_range the real image's own percentiles set the scale.
-    lo, hi = E.real_bounds(np.arange(101.0), None, (0.0, 100.0))
+    lo, hi = inputs.real_bounds(np.arange(101.0), None, (0.0, 100.0))
     assert (lo, hi) == (0.0, 100.0)
 
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from diffusion3d import checkpoint as ckpt
-from diffusion3d import cli
+from diffusion3d import storage
+from diffusion3d.commands import train as cli
 from diffusion3d import data as D
 from tests.helpers import ROOT, make_dataset, phantom, subprocess_env, tiny, write_nifti
 
@@ -234,8 +235,8 @@ def test_every_unpaired_file_is_reported(tmp_path):
 # ---- 3. one run per folder -------------------------------------------------------------------------------
 HOLD = textwrap.dedent("""
     import sys, time
-    from diffusion3d import checkpoint as ckpt
-    lock = ckpt.lock_folder(sys.argv[1], "run")
+    from diffusion3d import storage
+    lock = storage.lock_folder(sys.argv[1], "run")
     print("locked", flush=True)
     time.sleep(120)
 """)
@@ -264,17 +265,18 @@ def test_second_run_on_a_folder_stops_and_a_killed_holder_leaves_no_stale_lock(r
 
 
 def test_lock_is_exclusive_within_one_process_too(tmp_path):
-    with ckpt.lock_folder(tmp_path / "out", "sampling run"):
-        with pytest.raises(ckpt.FolderLockedError, match=rf"in use by another sampling run \(pid {os.getpid()}\)"):
-            ckpt.lock_folder(tmp_path / "out", "sampling run")
-    ckpt.lock_folder(tmp_path / "out").release()  # free again once released
+    with storage.lock_folder(tmp_path / "out", "sampling run"):
+        with pytest.raises(storage.FolderLockedError, match=rf"in use by another sampling run \(pid {os.getpid()}\)"):
+            storage.lock_folder(tmp_path / "out", "sampling run")
+    storage.lock_folder(tmp_path / "out").release()  # free again once released
 
 
 def test_sample_and_evaluate_refuse_an_output_folder_in_use(trained, tmp_path, capsys):
-    from diffusion3d import evaluate, sample
+    from diffusion3d.commands import evaluate
+    from diffusion3d.commands import sample
 
     out = tmp_path / "out"
-    with ckpt.lock_folder(out, "sampling run"):
+    with storage.lock_folder(out, "sampling run"):
         with pytest.raises(SystemExit) as exc:
             sample.main(["--checkpoint", str(trained / "run"), "--masks", str(trained / "data" / "masks"),
                          "--out", str(out), "--quiet", "--steps", "1"])
@@ -290,6 +292,30 @@ def test_sample_and_evaluate_refuse_an_output_folder_in_use(trained, tmp_path, c
         assert exc.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {out}: in use by another")
     assert sorted(p.name for p in out.iterdir()) == []  # nothing written by either
+
+
+def test_an_output_path_that_is_a_file_is_refused_in_one_line(trained, tmp_path, capsys):
+    """train's results_dir, sample's and evaluate's --out: a file standing there is bad input (exit 2, one
+    line), not a fault; it used to be exit 1 with "cannot write the folder's lock file: File exists"."""
+    from diffusion3d.commands import evaluate, sample
+    from diffusion3d.commands import train as cli
+
+    taken = tmp_path / "taken"
+    taken.write_text("a user's file")
+    runs = {
+        "train": lambda: cli.main(args_for(trained / "data", taken, "--train_num_steps", "1")),
+        "sample": lambda: sample.main(["--checkpoint", str(trained / "run"), "--masks", str(trained / "data" / "masks"),
+                                       "--out", str(taken), "--quiet", "--steps", "1"]),
+        "evaluate": lambda: evaluate.main(["--samples", str(trained / "data" / "images"),
+                                           "--images", str(trained / "data" / "images"), "--out", str(taken)]),
+    }
+    for name, run in runs.items():
+        with pytest.raises(SystemExit) as exc:
+            run()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2, (name, err)
+        assert err[-1] == f"error: {taken}: exists and is not a folder", (name, err)
+    assert taken.read_text() == "a user's file"
 
 
 # ---- 4. storage failures ---------------------------------------------------------------------------------
@@ -361,12 +387,12 @@ def test_os_errors_while_saving_leave_the_old_checkpoint_and_no_temp(tmp_path, m
     if where == "write":
         fail_checkpoint_writes(monkeypatch, err, name="step_00000002", after=100)
     elif where == "fsync":
-        monkeypatch.setattr(ckpt.os, "fsync", boom)
+        monkeypatch.setattr(storage.os, "fsync", boom)
     elif where == "open":
         monkeypatch.setattr(ckpt, "open", boom, raising=False)
     else:
-        monkeypatch.setattr(ckpt.os, "replace", boom)
-    with pytest.raises(ckpt.StorageError) as exc:
+        monkeypatch.setattr(storage.os, "replace", boom)
+    with pytest.raises(storage.StorageError) as exc:
         ckpt.save_atomic({"x": torch.ones(1000)}, new)
     assert str(exc.value).startswith(f"{new}: cannot write checkpoint: {words}")
     assert exc.value.errno == err
@@ -376,10 +402,10 @@ def test_os_errors_while_saving_leave_the_old_checkpoint_and_no_temp(tmp_path, m
 def test_a_save_that_cannot_fit_is_not_started(tmp_path, monkeypatch):
     path = tmp_path / "checkpoints" / ckpt.checkpoint_name(1)
     path.parent.mkdir()
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 2**19, 2**19))
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 2**19, 2**19))
     opened = []
     monkeypatch.setattr(ckpt, "open", lambda *a, **k: opened.append(a), raising=False)
-    with pytest.raises(ckpt.StorageError) as exc:
+    with pytest.raises(storage.StorageError) as exc:
         ckpt.save_atomic({"x": torch.zeros(2**20)}, path)  # 4 MiB of tensors, 0.5 MiB free
     assert str(exc.value) == (f"{path.parent}: not enough free space for checkpoint {path.name}: needs about 5.2 MiB, "
                               "0.5 MiB free; free some space and run the same command again")
@@ -392,7 +418,7 @@ def test_read_only_results_folder_for_real(tmp_path):
     folder.mkdir()
     folder.chmod(0o500)
     try:
-        with pytest.raises(ckpt.StorageError, match="Permission denied"):
+        with pytest.raises(storage.StorageError, match="Permission denied"):
             ckpt.save_atomic({"x": torch.zeros(3)}, folder / ckpt.checkpoint_name(1))
     finally:
         folder.chmod(0o700)
@@ -437,7 +463,7 @@ def test_disk_full_while_writing_the_config(run_copy, monkeypatch, capsys):
 
 
 def test_disk_full_while_writing_samples(trained, tmp_path, monkeypatch, capsys):
-    from diffusion3d import sample
+    from diffusion3d.commands import sample
 
     out = tmp_path / "out"
     real_save = nib.save
@@ -541,7 +567,7 @@ def test_checkpoint_with_good_tensors_but_a_garbage_config(run_copy, capsys):
     code, lines, err = call_main(args_for(data, run, "--train_num_steps", "4", "--resume", str(bad)), capsys)
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {bad}: the checkpoint's config section is unusable")
 
-    from diffusion3d import sample
+    from diffusion3d.commands import sample
 
     with pytest.raises(SystemExit) as exc:
         sample.main(["--checkpoint", str(bad), "--masks", str(data / "masks"), "--out", str(run.parent / "s")])

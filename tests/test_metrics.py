@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion3d import metrics as M
-from diffusion3d.phantoms import make_case
+from diffusion3d.evaluation import metrics as M
+from diffusion3d.synthetic import make_case
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def site(tmp_path_factory) -> Path:
 def test_installed_package_ships_its_configs(site, tmp_path):
     assert (site / "diffusion3d" / "configs" / "default.yaml").is_file()
     assert (site / "diffusion3d" / "configs" / "whole_head_128.yaml").is_file()
-    proc = run([sys.executable, "-c", "import diffusion3d, diffusion3d.cli as c; from diffusion3d import configs; "
+    proc = run([sys.executable, "-c", "import diffusion3d, diffusion3d.commands.train as c; from diffusion3d import configs; "
                 "print(diffusion3d.__file__); print(c.DEFAULT_CONFIG); print(configs.find('whole_head_128'))"],
                cwd=tmp_path, site=site)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -66,7 +66,7 @@ def test_installed_package_trains_from_another_folder(site, tmp_path):
     results = tmp_path / "run"
     flags = ["--train_num_steps", "2", "--image_dir", str(images), "--mask_dir", str(masks), "--results_dir",
              str(results), "--image_size", "[16,16,16]", "--device", "cpu", "--quiet"]
-    proc = run([sys.executable, "-m", "diffusion3d.cli", *flags], cwd=elsewhere, site=site)
+    proc = run([sys.executable, "-m", "diffusion3d", "train", *flags], cwd=elsewhere, site=site)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (results / "checkpoints" / "step_00000002.pt").is_file()
     saved = yaml.safe_load((results / "config.yaml").read_text())

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from diffusion3d import quality as Q
-from diffusion3d.bench import main as bench_main
+from diffusion3d.commands import quality as Q
+from diffusion3d.commands.bench import main as bench_main
 from tests.helpers import SHARED_DATA, tiny
 
 REAL = SHARED_DATA / "whole_head"

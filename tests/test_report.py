@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import phantom, write_nifti
-from diffusion3d import evaluate as E
-from diffusion3d import report as R
+from diffusion3d.commands import evaluate as E
+from diffusion3d.evaluation import report as R
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -14,7 +14,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from diffusion3d import sample as S
+from diffusion3d.commands import sample as S
 from diffusion3d.data import build_dataset, discover, split_cases
 from diffusion3d.trainer import Trainer
 from tests.helpers import ROOT, subprocess_env, tiny_config, write_nifti
@@ -204,9 +204,9 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(run, tmp_path, capsy
 
 @pytest.mark.slow
 def test_module_entry_point_one_line_error(tmp_path):
-    """``python -m diffusion3d.sample`` itself: exit 2, a single stderr line, no traceback."""
+    """``python -m diffusion3d sample`` itself: exit 2, a single stderr line, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "diffusion3d.sample", "--checkpoint", str(tmp_path / "missing.pt"),
+        [sys.executable, "-m", "diffusion3d", "sample", "--checkpoint", str(tmp_path / "missing.pt"),
          "--masks", str(tmp_path), "--out", str(tmp_path / "out")],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env(),
     )

@@ -10,7 +10,7 @@ import torch
 from diffusion3d import checkpoint as ckpt
 from diffusion3d import config as C
 from diffusion3d import sampling
-from diffusion3d.cli import build_trainer
+from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover
 from diffusion3d.diffusion import SAMPLER_STEPS, GaussianDiffusion, RectifiedFlow
 from diffusion3d.model import build_model

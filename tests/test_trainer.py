@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from diffusion3d.cli import build_trainer
+from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover, mask_to_cond
 from diffusion3d.trainer import NonFiniteError, ema_decay_at, lr_at
 from tests.helpers import tiny_config

@@ -12,7 +12,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from ..checkpoint import storage_error
+from ..storage import atomic_write
 from .errors import DataError
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
@@ -193,14 +193,5 @@ def save_nifti(volume: np.ndarray, affine: np.ndarray, path: str | Path, dtype=n
     img.set_qform(affine, code=1)
     img.set_sform(affine, code=1)
     path = Path(path)
-    tmp = path.with_name(f".tmp.{path.name}")  # keeps the .nii.gz ending nibabel needs
-    try:
-        nib.save(img, str(tmp))
-        tmp.replace(path)
-    except OSError as e:
-        raise storage_error(path, e, "the NIfTI file") from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    # the temp name keeps the .nii.gz ending nibabel needs; samples are re-creatable, so no fsync
+    atomic_write(path, lambda tmp: nib.save(img, str(tmp)), "the NIfTI file", tmp_name=f".tmp.{path.name}", fsync=False)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..diffusion import SALT_PERMUTATION, derive_seed
+from ..seeding import SALT_PERMUTATION, derive_seed
 from .transforms import plain
 
 

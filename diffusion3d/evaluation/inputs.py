@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import NIFTI_SUFFIXES, DataError, read_volume
+from ..data import NIFTI_SUFFIXES, DataError, read_volume
 
 SAMPLE_NAME = re.compile(r"^(?P<case>.+)_sample(?P<index>\d+)\.nii(\.gz)?$")
 

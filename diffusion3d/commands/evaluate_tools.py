@@ -1,9 +1,9 @@
-"""The ``downstream`` and ``distribution`` subcommands of ``python -m diffusion3d.evaluate``, and the intensity
+"""The ``downstream`` and ``distribution`` subcommands of ``python -m diffusion3d evaluate``, and the intensity
 flags every evaluation shares. Command-line layer: parses, prints, chooses exit codes; the work is in
 ``downstream`` and ``distribution``.
 
-    python -m diffusion3d.evaluate downstream --images I --masks M --samples S --out O
-    python -m diffusion3d.evaluate distribution --real I --samples S --feature_weights W --out O
+    python -m diffusion3d evaluate downstream --images I --masks M --samples S --out O
+    python -m diffusion3d evaluate distribution --real I --samples S --feature_weights W --out O
 
 Bad input → one line ``error: ...``, exit 2, nothing written; a storage fault → one line, exit 1.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import checkpoint as ckpt
-from . import distribution as dist
-from . import downstream as down
-from .data import scan_folder
-from .evalinputs import Scaling
-from ._cli import InputError, OneLineParser, configure_logging, run_command, write_csv, write_json
+from .. import storage
+from ..evaluation import fid as dist
+from ..evaluation import downstream as down
+from ..data import scan_folder
+from ..evaluation.inputs import Scaling
+from .common import InputError, OneLineParser, configure_logging, run_command, write_csv, write_json
 
 log = logging.getLogger("diffusion3d.evaluate")
 
@@ -67,7 +67,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _device(request: str):
-    from .distributed import resolve_device
+    from ..distributed import resolve_device
 
     try:
         return resolve_device(request)
@@ -75,22 +75,9 @@ def _device(request: str):
         raise InputError(f"--device: {e}") from None
 
 
-def check_out(out: Path, outputs: Sequence[str], overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
-    existing = [out / n for n in outputs if (out / n).exists()]
-    if existing and not overwrite:
-        raise InputError(f"{existing[0]}: already exists; use --overwrite to replace")
-
-
 def write_locked(out: Path, outputs: Sequence[str], overwrite: bool, what: str, write: Callable[[], None]) -> None:
     """Run ``write`` holding ``out``'s lock (taken once the inputs are known good, so bad input writes nothing)."""
-    try:
-        lock = ckpt.lock_folder(out, what)
-    except ckpt.FolderLockedError as e:
-        raise InputError(str(e)) from None
-    with lock:
-        check_out(out, outputs, overwrite)  # written meanwhile by a run that has finished?
+    with storage.claim_folder(out, what, outputs, overwrite):  # re-checks: written meanwhile by a finished run?
         write()
 
 
@@ -104,7 +91,7 @@ DOWNSTREAM_OUTPUTS = ("downstream.csv", "downstream.json", "splits.json")
 
 def downstream_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog="python -m diffusion3d.evaluate downstream",
+        prog="python -m diffusion3d evaluate downstream",
         description="Train one segmentation network three ways (real only, synthetic only, real + synthetic) with "
         "the same seed and budget, and report Dice per label on held-out real pairs (Med-DDPM's protocol).")
     p.add_argument("--images", required=True, type=Path, help="real images <case>.nii.gz")
@@ -164,7 +151,7 @@ def run_downstream(argv: Sequence[str]) -> dict[str, Any]:
     settings = downstream_settings(args)
     scaling = scaling_from(args)
     device = _device(args.device)
-    check_out(args.out, DOWNSTREAM_OUTPUTS, args.overwrite)
+    storage.check_target(args.out, DOWNSTREAM_OUTPUTS, args.overwrite)
     if args.samples is None and set(settings.arms) - {"real"}:
         raise InputError("--samples: needed for the synthetic and mixed arms (or use --arms real)")
     real = down.real_pairs(args.images, args.masks)
@@ -223,7 +210,7 @@ NO_WEIGHTS = ("--feature_weights PATH is required: a local MedicalNet ResNet che
 
 def distribution_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog="python -m diffusion3d.evaluate distribution",
+        prog="python -m diffusion3d evaluate distribution",
         description="FID and MMD between real and synthetic volumes on global-average-pooled features of a 3D "
         "MedicalNet ResNet whose weights you supply (nothing is downloaded).")
     p.add_argument("--real", required=True, type=Path, help="folder of real volumes (every .nii / .nii.gz)")
@@ -249,7 +236,7 @@ def run_distribution(argv: Sequence[str]) -> dict[str, Any]:
         raise InputError(NO_WEIGHTS)
     scaling = scaling_from(args)
     device = _device(args.device)
-    check_out(args.out, DISTRIBUTION_OUTPUTS, args.overwrite)
+    storage.check_target(args.out, DISTRIBUTION_OUTPUTS, args.overwrite)
     files = {"real": sorted(scan_folder(args.real, "").values()), "synthetic": sorted(scan_folder(args.samples, "").values())}
     for kind, paths in files.items():
         if len(paths) < 2:

@@ -33,8 +33,8 @@ from monai.losses import DiceCELoss
 from monai.metrics import compute_dice
 from monai.networks.nets import SegResNet, UNet
 
-from .data import DataError, read_volume, scan_folder
-from .evalinputs import Scaling, find_partner, group_samples
+from ..data import DataError, read_volume, scan_folder
+from .inputs import Scaling, find_partner, group_samples
 
 log = logging.getLogger(__name__)
 ARMS = ("real", "synthetic", "mixed")  # mixed: real + synthetic

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from monai.networks import nets
 
-from .data import DataError
+from ..data import DataError
 
 log = logging.getLogger(__name__)
 FEATURE_NETWORKS = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet200")

@@ -1,4 +1,4 @@
-"""``python -m diffusion3d.sample``: sample volumes from a trained checkpoint, conditioned on masks.
+"""``python -m diffusion3d sample``: sample volumes from a trained checkpoint, conditioned on masks.
 
 The command parses, finds the masks, reads each mask once (checked and brought to the model grid), and
 hands them to ``sampling.generate`` (the library the trainer's validation uses too); each volume is written
@@ -7,7 +7,7 @@ as ``<case>_sample<i>.nii.gz`` on its mask's grid. Volume i of mask <case> is se
 
 Command line::
 
-    python -m diffusion3d.sample --checkpoint runs/default/checkpoints/step_00001000.pt \\
+    python -m diffusion3d sample --checkpoint runs/default/checkpoints/step_00001000.pt \\
         --masks data/demo/masks --out samples/ --n 2
 
 Bad input (checkpoint, masks, output folder) is found before anything is written: one line
@@ -24,11 +24,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from . import checkpoint as ckpt
-from . import sampling
-from ._cli import InputError, OneLineParser, configure_logging, run_command
-from .data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
-from .sampling import SAMPLERS
+from .. import checkpoint as ckpt
+from .. import sampling, storage
+from .common import InputError, OneLineParser, configure_logging, run_command
+from ..data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
+from ..sampling import SAMPLERS
 
 log = logging.getLogger("diffusion3d.sample")  # not __name__: "__main__" under python -m
 
@@ -67,7 +67,7 @@ def _non_negative(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog="python -m diffusion3d.sample",
+        prog="python -m diffusion3d sample",
         description="Sample volumes from a trained checkpoint, conditioned on masks; each sample is written "
         "as <case>_sample<i>.nii.gz on the grid (shape, affine, spacing) of its mask.",
     )
@@ -104,8 +104,7 @@ class Job:
 
 def plan(masks: list[tuple[str, Path]], n: int, out: Path, overwrite: bool) -> list[Job]:
     """Every file to write; refuses an output that is a file or files that exist (without overwrite)."""
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
+    storage.check_target(out)
     jobs = [Job(case, mask, i, out / f"{case}_sample{i}.nii.gz") for case, mask in masks for i in range(n)]
     existing = [j.path for j in jobs if j.path.exists()]
     if existing and not overwrite:
@@ -116,7 +115,7 @@ def plan(masks: list[tuple[str, Path]], n: int, out: Path, overwrite: bool) -> l
 
 def run(argv: list[str] | None = None) -> list[Path]:
     """Parse, check everything, then sample and write; returns the files written."""
-    from .distributed import resolve_device
+    from ..distributed import resolve_device
 
     args = build_parser().parse_args(argv)
     if args.quiet:
@@ -139,10 +138,7 @@ def run(argv: list[str] | None = None) -> list[Path]:
     log.info("%s (step %d, %s weights): %d masks × %d samples, %s %d steps (%d model evaluations), guidance %g, device %s",
              state["path"], state["step"], args.weights, len(masks), args.n, recipe.sampler, recipe.steps,
              recipe.evaluations, recipe.guidance, device)
-    try:  # one writer per output folder, held until run() returns (the kernel drops it if we die)
-        lock = ckpt.lock_folder(args.out, "sampling run")
-    except ckpt.FolderLockedError as e:
-        raise InputError(str(e)) from None
+    lock = storage.claim_folder(args.out, "sampling run")  # held until run() returns (the kernel drops it if we die)
     try:
         return _sample(model, cfg, jobs, grids, recipe, args, device)
     finally:

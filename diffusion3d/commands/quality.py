@@ -15,11 +15,11 @@ contrast ratio, SSIM, PSNR, sharpness ratio, diversity). NFE counts network eval
 call evaluates the condition and the null condition, so it counts twice. Seconds are those of the training steps alone
 (wall clock and process CPU time), so a row reads "after this much training, samples are this good".
 
-Command line (``python -m diffusion3d.quality --help``; also ``python -m diffusion3d.bench --parts quality``)::
+Command line (``python -m diffusion3d quality --help``; also ``python -m diffusion3d bench --parts quality``)::
 
-    python -m diffusion3d.quality --config default --sets phantom,realistic --steps 1000 \\
+    python -m diffusion3d quality --config default --sets phantom,realistic --steps 1000 \\
         --eval_every 250 --sampling euler:10,heun:5 --set prediction=flow --set sampler=euler --out q.json
-    python -m diffusion3d.quality --table q_eps.json q_flow.json        # one table from several runs
+    python -m diffusion3d quality --table q_eps.json q_flow.json        # one table from several runs
 """
 
 from __future__ import annotations
@@ -42,18 +42,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import config as C
-from . import configs, metrics
-from ._cli import InputError, OneLineParser, configure_logging, run_command, write_json
-from .data import build_dataset, discover, save_nifti
-from .diffusion import make_diffusion
-from .phantoms import SPACING, make_case
-from .phantoms import save as save_phantom
-from .sampling import ModelGridMask, generate, resolve
-from .trainer import Trainer
+from .. import config as C
+from .. import configs
+from ..evaluation import metrics
+from .common import InputError, OneLineParser, configure_logging, run_command, write_json
+from ..data import build_dataset, discover, save_nifti
+from ..diffusion import make_diffusion
+from ..synthetic import SPACING, make_case
+from ..synthetic import save as save_phantom
+from ..sampling import ModelGridMask, generate, resolve
+from ..trainer import Trainer
 
 log = logging.getLogger("diffusion3d.quality")
-REAL_PAIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "whole_head"  # beside a checkout
+REAL_PAIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "whole_head"  # beside a checkout
 SETS = ("phantom", "realistic")
 TABLE_KEYS = (  # column header, result key, format
     ("head", "head_dice", ".3f"), ("lesion", "lesion_dice", ".3f"), ("|Δμ|max", "abs_mean_error_max", ".3f"),
@@ -325,7 +326,7 @@ def machine() -> dict[str, Any]:
 
 
 # ---- the command line -------------------------------------------------------------------------------
-def build_parser(prog: str = "python -m diffusion3d.quality") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m diffusion3d quality") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="Time to quality: train a config on seeded synthetic sets and score "
                       "samples of unseen masks along the way (mask fidelity and realism against the truth).")
     p.add_argument("--config", default=None,
@@ -420,7 +421,7 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m diffusion3d.quality") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m diffusion3d quality") -> int:
     configure_logging(logging.WARNING)
     args = build_parser(prog).parse_args(argv)
     # a missing file named by a flag is bad input here, not a storage fault

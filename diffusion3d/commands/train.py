@@ -15,13 +15,14 @@ import signal
 import sys
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from . import config as C
-from . import configs, distributed
-from ._cli import BAD_INPUT, InputError, OneLineParser, configure_logging, run_command
-from .data import build_dataset, discover, format_summary, split_cases, validate
-from .precision import resolve_precision
-from .trainer import NonFiniteError, Trainer
+from .. import checkpoint as ckpt
+from .. import config as C
+from .. import configs
+from .. import distributed, storage
+from .common import BAD_INPUT, InputError, OneLineParser, configure_logging, run_command
+from ..data import discover, format_summary, validate
+from ..precision import resolve_precision
+from ..trainer import NonFiniteError, Trainer, build_trainer
 
 log = logging.getLogger("diffusion3d")
 DEFAULT_CONFIG = configs.DEFAULT  # inside the package: found by a wheel install too
@@ -71,39 +72,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, C.Config]:
     return args, resolve_config(args, parser)
 
 
-def select_checkpoint(cfg: C.Config, results: Path) -> tuple[Path, dict] | None:
-    """Apply --resume auto|none|PATH (a file, or a run or checkpoints folder: its newest valid checkpoint);
-    raises InputError or CheckpointError for what cannot be resumed."""
-    folder = results / "checkpoints"
-    resume = cfg.train.resume
-    existing = ckpt.list_checkpoints(folder)
-    if resume == "none":
-        if existing and not cfg.train.overwrite:
-            raise InputError(f"{folder}: holds {len(existing)} checkpoint(s); use --resume auto to continue "
-                             "or --overwrite to start afresh")
-        return None
-    if resume == "auto":
-        found = ckpt.load_latest_valid(folder)
-        if found is None and existing:
-            raise InputError(f"{folder}: no valid checkpoint among {len(existing)} file(s)")
-    else:
-        found = ckpt.find_checkpoint(Path(resume))
-    if found is None:
-        return None
-    path, state = found
-    breaking, harmless = ckpt.config_differences(state["config"], cfg.to_dict())
-    if breaking:
-        raise InputError(f"{path}: the config differs from the checkpoint's in ways that break the run: "
-                         + "; ".join(breaking) + " (use another --results_dir, or --resume none --overwrite)")
-    for line in harmless:
-        log.info("config change since the checkpoint (allowed): %s", line)
-    return path, state
-
-
 def plan_batch(cfg: C.Config, device, dist) -> None:
     """--batch_size auto: the largest micro-batch that fits, accum derived so that batch_size × accum ×
     processes is effective_batch (the samples per optimizer step, over all processes)."""
-    from .memory import MemoryPlanError, find_max_batch, plan_accumulation
+    from ..memory import MemoryPlanError, find_max_batch, plan_accumulation
 
     effective = cfg.train.effective_batch
     if effective % dist.world_size:
@@ -116,14 +88,6 @@ def plan_batch(cfg: C.Config, device, dist) -> None:
     cfg.train.batch_size, cfg.train.gradient_accumulate_every = plan_accumulation(effective // dist.world_size, largest)
     log.info("batch_size auto: largest micro-batch %d -> batch_size %d x accum %d (effective %d)", largest,
              cfg.train.batch_size, cfg.train.gradient_accumulate_every, effective)
-
-
-def build_trainer(cfg: C.Config, cases: list, device, results: Path | None, rank: int = 0, world_size: int = 1) -> Trainer:
-    """Split the cases, cache the training set, and build the Trainer."""
-    train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
-    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else (results or Path(".")) / "cache"
-    dataset = build_dataset(train_cases, cfg, cache_dir)
-    return Trainer(cfg, dataset, device, results, val_cases, rank, world_size)
 
 
 def install_signal_handlers(trainer: Trainer) -> None:
@@ -142,18 +106,7 @@ def install_signal_handlers(trainer: Trainer) -> None:
 
 def write_config(cfg: C.Config, path: Path) -> None:
     """The resolved config, written atomically (temp file, replace); StorageError on an OS failure."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(cfg.to_yaml())
-        tmp.replace(path)
-    except OSError as e:
-        raise ckpt.storage_error(path, e, "the resolved config") from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    storage.atomic_write_text(path, cfg.to_yaml(), "the resolved config")
 
 
 def start_processes(cfg: C.Config) -> distributed.DistInfo:
@@ -178,17 +131,17 @@ def claim_results(cfg: C.Config, results: Path, dist: distributed.DistInfo, held
     found = None
     if dist.is_main:
         try:
-            held.enter_context(ckpt.lock_folder(results, "run"))
+            held.enter_context(storage.claim_folder(results, "run"))
             ckpt.remove_stale_temps(results / "checkpoints")  # a killed writer's; nobody else writes here now
-            found = select_checkpoint(cfg, results)
+            found = ckpt.select_checkpoint(cfg.train.resume, cfg.train.overwrite, results / "checkpoints", cfg.to_dict())
             decision = (str(found[0]) if found else None, None, 2)
         except BAD_INPUT as e:
             decision = (None, str(e), 2)
-        except ckpt.StorageError as e:
+        except storage.StorageError as e:
             decision = (None, str(e), 1)
     resume_path, error, code = distributed.broadcast_object(decision)
     if error is not None:
-        raise (InputError if code == 2 else ckpt.StorageError)(error)
+        raise (InputError if code == 2 else storage.StorageError)(error)
     return resume_path, found
 
 

@@ -1,4 +1,4 @@
-"""``python -m diffusion3d.bench``: training throughput, memory, sampling and loader speed, FLOP/s.
+"""``python -m diffusion3d bench``: training throughput, memory, sampling and loader speed, FLOP/s.
 
 Every figure is the median of ``--repeats`` timed runs after ``--warmup`` untimed ones, measured on
 synthetic NIfTI phantoms written to a temporary folder at each grid size (so no data is needed).
@@ -39,18 +39,18 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import config as C
-from . import configs
-from ._cli import InputError, OneLineParser, configure_logging, run_command
-from .data import SampleStream, build_dataset, discover, make_loader
-from .diffusion import SAMPLERS, make_diffusion
-from .monitor import current_rss_bytes, peak_rss_bytes
-from .distributed import resolve_device
-from .memory import SyntheticCases, measure_step
-from .model import build_model, count_parameters
-from .precision import autocast_factory
-from .sampling import ModelGridMask, generate
-from .trainer import Trainer
+from .. import config as C
+from .. import configs
+from .common import InputError, OneLineParser, configure_logging, run_command, write_json
+from ..data import SampleStream, build_dataset, discover, make_loader
+from ..diffusion import SAMPLERS, make_diffusion
+from ..monitor import current_rss_bytes, peak_rss_bytes
+from ..distributed import resolve_device
+from ..memory import SyntheticCases, measure_step
+from ..model import build_model, count_parameters
+from ..precision import autocast_factory
+from ..sampling import ModelGridMask, generate
+from ..trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +238,9 @@ def run_isolated(cfg, device: torch.device, warmup: int, repeats: int, estimate:
                                 "threads": torch.get_num_threads(),
                                 "repeats": repeats, "estimate": estimate, "out": str(out)}))
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds the diffusion3d package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "diffusion3d.bench", "--_worker", str(spec)],
+    proc = subprocess.run([sys.executable, "-m", "diffusion3d.commands.bench", "--_worker", str(spec)],
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -333,7 +333,7 @@ def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
 def measure_startup(cfg, workers: int) -> dict[str, Any]:
     """Start-up before the first step: discovery + validation (every file decoded and checked, in ``workers``
     processes) and the memory cache build (decode + transforms, ``max(workers, 1)`` threads), in seconds."""
-    from .data import validate
+    from ..data import validate
 
     cfg.data.num_workers = workers
     start = time.perf_counter()
@@ -373,7 +373,7 @@ def _sampling_steps(text: str | None) -> dict[str, int | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m diffusion3d.bench", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m diffusion3d bench", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None,
                    help="YAML config whose model/diffusion to measure: a path or a bundled config's name (default: default)")
     p.add_argument("--sizes", default="32,64,128", help="grid sizes (cubes) for training, comma-separated")
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     p.add_argument("--parts", default="train,sampling",
                    help="what to measure: train, sampling, loader; or quality alone (time to quality: see "
-                   "python -m diffusion3d.bench --parts quality --help)")
+                   "python -m diffusion3d bench --parts quality --help)")
     p.add_argument("--loader", action="store_true", help="also measure the loader (cached vs uncached)")
     p.add_argument("--sampling", default="auto", help="samplers to time (auto: all of the config's objective), or none")
     p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's sampling_steps for its sampler, else diffusion.SAMPLER_STEPS)")
@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest is not None:
         from . import quality
 
-        return quality.main(rest, prog="python -m diffusion3d.bench --parts quality")
+        return quality.main(rest, prog="python -m diffusion3d bench --parts quality")
     args = build_parser().parse_args(argv)
     if args._worker:
         return _worker(args._worker)
@@ -664,9 +664,7 @@ def benchmark(args: argparse.Namespace) -> int:
     print(format_tables(report), flush=True)
     if args.json:
         path = Path(args.json)
-        tmp = path.with_name(f".tmp.{path.name}")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(path)
+        write_json(path, report, indent=1)
     return 0
 
 

@@ -6,7 +6,7 @@ as one line ``error: ...`` on stderr and picks the exit code:
 
 - 2, bad input: InputError (a command's own checks), bad data (every bad file on its own line, then the
   count), a config, a checkpoint, or a folder another process holds; a bad flag exits 2 from the parser;
-- 1, a fault: storage (``checkpoint.StorageError``: no space, I/O error, read-only), any other OSError,
+- 1, a fault: storage (``storage.StorageError``: no space, I/O error, read-only), any other OSError,
   and what a command adds (training: non-finite losses);
 - 130, Ctrl-C.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import logging
 import math
@@ -23,9 +24,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .checkpoint import CheckpointError, FolderLockedError, StorageError
-from .config import ConfigError
-from .data import DataError, DataProblems
+from ..checkpoint import CheckpointError
+from ..storage import FolderError, StorageError, atomic_write_text
+from ..config import ConfigError
+from ..data import DataError, DataProblems
 
 ExceptionTypes = tuple[type[BaseException], ...]
 
@@ -34,7 +36,7 @@ class InputError(Exception):
     """Bad input found by a command line (a flag, a folder, a combination); one line, exit code 2."""
 
 
-BAD_INPUT: ExceptionTypes = (InputError, DataError, ConfigError, CheckpointError, FolderLockedError)
+BAD_INPUT: ExceptionTypes = (InputError, DataError, ConfigError, CheckpointError, FolderError)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -94,13 +96,14 @@ def json_safe(value: Any) -> Any:
 
 
 def write_json(path: Path, value: Any, indent: int = 2) -> None:
-    Path(path).write_text(json.dumps(json_safe(value), indent=indent, allow_nan=False) + "\n")
+    atomic_write_text(path, json.dumps(json_safe(value), indent=indent, allow_nan=False) + "\n", "JSON results")
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], header: Sequence[str] | None = None) -> None:
     """Rows as CSV with ``header`` (default: the first row's keys); None and missing values are blank."""
     header = list(header if header is not None else rows[0])
-    with Path(path).open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        writer.writerows([{k: "" if r.get(k) is None else r.get(k) for k in header} for r in rows])
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=header)
+    writer.writeheader()
+    writer.writerows([{k: "" if r.get(k) is None else r.get(k) for k in header} for r in rows])
+    atomic_write_text(path, text.getvalue(), "CSV results")
