@@ -26,7 +26,7 @@ BREAKING_KEYS = {
     "data": (
         "image_dir", "mask_dir", "manifest", "image_suffix", "mask_suffix", "labels", "orientation", "spacing",
         "intensity", "lower_percentile", "upper_percentile", "intensity_range", "image_size", "resize_mode",
-        "num_val_cases",
+        "num_val_cases", "space", "wavelet_levels",
     ),
     "train": ("seed",),
 }

@@ -114,7 +114,7 @@ def test_every_choice_key_is_typed():
     """The keys with a fixed set of values carry it in their type (no separate CHOICES table)."""
     assert {name for name, _ in _literal_keys()} == {
         "unknown_labels", "intensity", "output_intensity", "resize_mode", "cache", "schedule", "prediction",
-        "loss", "sampler", "flow_time_sampling", "lr_schedule", "precision"}
+        "loss", "sampler", "flow_time_sampling", "lr_schedule", "precision", "space"}
 
 
 @pytest.mark.parametrize("key, choices", _literal_keys())
