@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion3d import memory
+from diffusion3d import config as C
+from diffusion3d import configs, memory
 from diffusion3d.memory import (MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory,
                                 synthetic_trainer)
 from diffusion3d.monitor import peak_rss_bytes
@@ -150,3 +151,16 @@ def test_a_large_grid_is_traced_without_allocating_it(tmp_path):
     estimate = memory.estimate_step(cfg, 1)
     assert estimate.step_peak_bytes > 2 * 2**30
     assert peak_rss_bytes() - rss < 0.5 * estimate.step_peak_bytes
+
+
+@pytest.mark.parametrize("name, size, card_gib", [("whole_head_128", 128, 16), ("whole_head_128", 256, 40),
+                                                  ("brats_192", None, 24)])
+def test_shipped_configs_fit_their_cards(name, size, card_gib):
+    """The targets the configs are chosen by (docs/performance.md, "Memory and FLOPs per size"): one
+    training sample of whole_head_128 in its wavelet space fits 16 GB at 128³ and 40 GB at 256³, and
+    brats_192 (4 modalities, 192×192×160) fits 24 GB, with the planner's headroom for the allocator."""
+    cfg = C.load(configs.find(name))
+    if size is not None:
+        cfg.data.image_size = [size] * 3
+    estimate = memory.estimate_step(cfg, 1)
+    assert estimate.total_bytes <= memory.GPU_HEADROOM * card_gib * 2**30
