@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import config as C
+from .synthetic import SyntheticDataset
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -129,26 +130,10 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
 
-class SyntheticCases(torch.utils.data.Dataset):
-    """``n`` seeded training items of the configured shape, as the cache holds them: an image in [-1, 1] and
-    a label map of the configured labels. The planning Trainer's data, so no files are needed."""
-
-    def __init__(self, cfg, n: int = 2, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        size = tuple(cfg.data.image_size)
-        labels = torch.tensor([0, *cfg.data.labels], dtype=torch.uint8)
-        self.items = []
-        for _ in range(n):
-            item = {"image": torch.rand((cfg.image_channels, *size), generator=g) * 2 - 1}
-            if cfg.model.with_condition:
-                item["mask"] = labels[torch.randint(0, len(labels), (1, *size), generator=g)]
-            self.items.append(item)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.items[index]
+def synthetic_cases(cfg: C.Config, n: int = 2, seed: int = 0) -> SyntheticDataset:
+    """Training items of ``cfg``'s shape, channels and labels (``synthetic.SyntheticDataset``)."""
+    labels = cfg.data.labels if cfg.model.with_condition else None
+    return SyntheticDataset(cfg.data.image_size, cfg.image_channels, labels, n, seed)
 
 
 def synthetic_trainer(cfg, batch: int, device: torch.device | str = "cpu", accum: int = PLAN_ACCUM) -> Trainer:
@@ -158,7 +143,7 @@ def synthetic_trainer(cfg, batch: int, device: torch.device | str = "cpu", accum
     plan = C.from_dict(cfg.to_dict())
     plan.train.batch_size, plan.train.gradient_accumulate_every = batch, accum
     plan.train.compile, plan.data.num_workers = False, 0
-    return Trainer(plan, SyntheticCases(plan), device)
+    return Trainer(plan, synthetic_cases(plan), device)
 
 
 @dataclass

@@ -34,8 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import monai
-import nibabel as nib
-import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -46,7 +44,8 @@ from ..data import SampleStream, build_dataset, discover, make_loader
 from ..diffusion import SAMPLERS, make_diffusion
 from ..monitor import current_rss_bytes, peak_rss_bytes
 from ..distributed import resolve_device
-from ..memory import SyntheticCases, measure_step
+from ..memory import measure_step, synthetic_cases
+from ..synthetic import write_cases
 from ..model import build_model, count_parameters
 from ..precision import autocast_factory
 from ..sampling import ModelGridMask, generate
@@ -123,33 +122,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
-
-
-# ---- synthetic data --------------------------------------------------------------------------------
-def write_synthetic_cases(root: Path, size: int, n: int, labels: Sequence[int], image_channels: int = 1,
-                          seed: int = 0) -> tuple[list[Path], Path]:
-    """``n`` NIfTI pairs at ``size``³: nested ellipsoids labelled ``labels`` in order, intensities in [0, 1]."""
-    rng = np.random.default_rng(seed)
-    image_dirs = [root / f"images_{c}" for c in range(image_channels)]
-    mask_dir = root / "masks"
-    for folder in [*image_dirs, mask_dir]:
-        folder.mkdir(parents=True, exist_ok=True)
-    axis = np.arange(size, dtype=np.float32)
-    grid = np.meshgrid(axis, axis, axis, indexing="ij")
-    affine = np.diag([1.5, 1.5, 1.5, 1.0])
-    for i in range(n):
-        centre = size / 2 + rng.uniform(-1, 1, 3)
-        mask = np.zeros((size,) * 3, np.uint8)
-        for level, label in enumerate(labels):
-            radii = size * rng.uniform(0.3, 0.42, 3) * (0.45**level)
-            inside = sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii)) <= 1
-            mask[inside] = label
-        nib.save(nib.Nifti1Image(mask, affine), str(mask_dir / f"case_{i:03d}.nii.gz"))
-        for folder in image_dirs:
-            image = (mask.astype(np.float32) / max(max(labels, default=1), 1) * 0.8 + 0.1
-                     + rng.normal(0, 0.02, mask.shape).astype(np.float32)).clip(0, 1)
-            nib.save(nib.Nifti1Image(image.astype(np.float32), affine), str(folder / f"case_{i:03d}.nii.gz"))
-    return image_dirs, mask_dir
 
 
 def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], precision: str = "fp32",
@@ -284,7 +256,7 @@ def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None,
     configured = cfg.diffusion.sampling_steps if sampler == cfg.diffusion.sampler else None  # the config's own
     steps = diffusion.timesteps if steps == 0 else steps or diffusion.default_steps(sampler, configured)
     run_steps = min(steps, max_steps) if max_steps else steps
-    item = SyntheticCases(cfg, n=1, seed=cfg.train.seed)[0]
+    item = synthetic_cases(cfg, n=1, seed=cfg.train.seed)[0]
     grid = ModelGridMask(item["mask"] if cfg.model.with_condition else torch.zeros(1, *cfg.data.image_size))
     shape = (1, cfg.image_channels, *cfg.data.image_size)
     cond = grid.cond(cfg.data.labels)[None].to(device) if cfg.model.with_condition else None
@@ -517,8 +489,8 @@ class _Data:
 
     def __call__(self, size: int) -> tuple[list[Path], Path]:
         if size not in self.sets:
-            self.sets[size] = write_synthetic_cases(self.work / f"data_{size}", size, 4, self.base.data.labels,
-                                                    self.base.image_channels)
+            self.sets[size] = write_cases(self.work / f"data_{size}", size, 4, self.base.data.labels,
+                                     self.base.image_channels)
         return self.sets[size]
 
 
@@ -563,8 +535,8 @@ def _bench_loader(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any
 def _bench_startup(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
     """Validation + cache of --startup_cases synthetic cases at --startup_size³, per worker count."""
     size, rows = args.startup_size, []
-    folders = write_synthetic_cases(data.work / "startup", size, args.startup_cases, plan.base.data.labels,
-                                    plan.base.image_channels)
+    folders = write_cases(data.work / "startup", size, args.startup_cases, plan.base.data.labels,
+                      plan.base.image_channels)
     for workers in _int_list(args.startup_workers, "startup_workers"):
         progress(f"start-up {args.startup_cases} cases at {size}³, {workers} workers")
         rows.append({"size": size, **measure_startup(bench_config(plan.base, size, folders), workers)})
