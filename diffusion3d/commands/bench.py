@@ -39,11 +39,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import config as C
 from .. import configs
-from .common import InputError, OneLineParser, configure_logging, run_command, write_json
+from .common import (InputError, OneLineParser, comma_list, configure_logging, device_flag, int_list, run_command,
+                     write_json)
 from ..data import SampleStream, build_dataset, discover, make_loader
 from ..diffusion import SAMPLERS, make_diffusion
 from ..monitor import current_rss_bytes, peak_rss_bytes
-from ..distributed import resolve_device
 from ..memory import measure_step, synthetic_cases
 from ..synthetic import write_cases
 from ..model import build_model, count_parameters
@@ -320,13 +320,7 @@ def measure_startup(cfg, workers: int) -> dict[str, Any]:
 
 # ---- the command line ------------------------------------------------------------------------------
 def _int_list(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InputError(f"--{name}: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise InputError(f"--{name}: expected positive integers, got {text!r}")
-    return values
+    return int_list(text, f"--{name}", at_least=1)
 
 
 def _sampling_steps(text: str | None) -> dict[str, int | None]:
@@ -408,20 +402,9 @@ class Plan:
     threads: int | None
 
 
-def _comma_list(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def _resolve_device(text: str) -> torch.device:
-    try:
-        return resolve_device(text)
-    except (ValueError, RuntimeError) as e:
-        raise InputError(f"--device: {e}") from None
-
-
 def _resolve_precisions(text: str, device: torch.device) -> list[str]:
     supported = supported_precisions(device)
-    precisions = supported if text == "auto" else _comma_list(text)
+    precisions = supported if text == "auto" else comma_list(text)
     for p in precisions:
         if p not in supported:
             raise InputError(f"--precisions: {p} is not supported on {device.type} (supported: {', '.join(supported)})")
@@ -433,7 +416,7 @@ def _resolve_samplers(text: str, base: C.Config) -> list[str]:
     fitting = make_diffusion(base).samplers
     if text == "auto":
         return list(fitting)
-    samplers = [] if text == "none" else _comma_list(text)
+    samplers = [] if text == "none" else comma_list(text)
     for s in samplers:
         if s not in SAMPLERS:
             raise InputError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(fitting)}, auto or none)")
@@ -444,7 +427,7 @@ def _resolve_samplers(text: str, base: C.Config) -> list[str]:
 
 
 def _resolve_parts(args: argparse.Namespace) -> set[str]:
-    parts = set(_comma_list(args.parts)) | ({"loader"} if args.loader else set())
+    parts = set(comma_list(args.parts)) | ({"loader"} if args.loader else set())
     if parts - set(PARTS):
         raise InputError(f"--parts: unknown part(s) {', '.join(sorted(parts - set(PARTS)))}")
     return parts
@@ -463,7 +446,7 @@ def resolve_args(args: argparse.Namespace) -> Plan:
     """Check every input before anything runs; returns the resolved plan."""
     base = C.load(configs.find(args.config))  # a ConfigError is bad input: one line, exit 2
     C.validate(base)
-    device = _resolve_device(args.device)
+    device = device_flag(args.device)
     _check_counts(args)
     sizes = _int_list(args.sizes, "sizes")
     return Plan(

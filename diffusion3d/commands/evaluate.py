@@ -50,7 +50,7 @@ from typing import Any
 
 from .. import storage
 from . import evaluate_tools as evaluate_cli
-from .common import InputError, OneLineParser, configure_logging, run_command, write_csv, write_json
+from .common import InputError, OneLineParser, configure_logging, int_list, run_command, write_csv, write_json
 from .evaluate_tools import SUBCOMMANDS, add_intensity_flags, scaling_from
 from ..evaluation.report import Report
 from ..evaluation.scores import evaluate, flat_rows, pair
@@ -60,15 +60,7 @@ OUTPUTS = ("metrics.csv", "cases.csv", "metrics.json", "report.html")
 
 
 def parse_labels(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        labels = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InputError(f"--labels: expected integers separated by commas, got {text!r}") from None
-    if not labels or len(set(labels)) != len(labels):
-        raise InputError(f"--labels: expected distinct integers, got {text!r}")
-    return labels
+    return None if text is None else int_list(text, "--labels", distinct=True)
 
 
 def write_outputs(result: dict[str, Any], out: Path, step: int, report: Report | None = None) -> list[Path]:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from .. import checkpoint as ckpt
 from .. import sampling, storage
-from .common import InputError, OneLineParser, configure_logging, run_command
+from .common import InputError, OneLineParser, configure_logging, device_flag, run_command
 from ..data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
 from ..sampling import SAMPLERS
 
@@ -115,15 +115,10 @@ def plan(masks: list[tuple[str, Path]], n: int, out: Path, overwrite: bool) -> l
 
 def run(argv: list[str] | None = None) -> list[Path]:
     """Parse, check everything, then sample and write; returns the files written."""
-    from ..distributed import resolve_device
-
     args = build_parser().parse_args(argv)
     if args.quiet:
         logging.getLogger("diffusion3d").setLevel(logging.WARNING)
-    try:
-        device = resolve_device(args.device)
-    except (ValueError, RuntimeError) as e:
-        raise InputError(f"--device: {e}") from None
+    device = device_flag(args.device)
     try:
         model, cfg, state = sampling.load_for_sampling(*ckpt.find_checkpoint(args.checkpoint), args.weights, device)
     except ckpt.CheckpointError as e:
