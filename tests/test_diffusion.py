@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import hashlib
 import math
+import typing
 
 import pytest
 import torch
 from torch import nn
 
+from diffusion3d import config as C
 from diffusion3d.diffusion import (
     FLOW_TIME_SCALE,
+    SAMPLERS,
     GaussianDiffusion,
     RectifiedFlow,
     make_betas,
     resolution_shift,
+    samplers_of,
     shift_time,
 )
 from diffusion3d.seeding import derive_seed
@@ -489,18 +493,18 @@ def _digest(x: torch.Tensor) -> tuple[float, str]:
 # Each case: (objective, sampling kwargs). Every sampler, stochastic and deterministic, clipped and not,
 # guided and not, one seed and per-volume seeds.
 BITWISE_CASES = {
-    "ddim": ("eps", dict(sampler="ddim", steps=5, seed=1)),
-    "ddim_eta_seeds": ("v", dict(sampler="ddim", steps=6, eta=0.5, seeds=[3, 7])),
-    "ddpm_strided_guided": ("eps", dict(sampler="ddpm", steps=6, seed=2, guidance_scale=2.0)),
-    "ddpm_all": ("x0", dict(sampler="ddpm", steps=None, seed=3)),
-    "dpmpp2m_guided": ("v", dict(sampler="dpmpp2m", steps=6, seed=4, guidance_scale=1.5)),
-    "dpmpp2m_noclip": ("x0-noclip", dict(sampler="dpmpp2m", steps=7, seeds=[5, 6])),
-    "dpmpp2m_one": ("v-noclip", dict(sampler="dpmpp2m", steps=1, seed=1)),
-    "euler_guided": ("flow", dict(sampler="euler", steps=4, seed=1, guidance_scale=1.5)),
-    "euler_noclip": ("flow-noclip", dict(sampler="euler", steps=5, seeds=[8, 9])),
-    "heun": ("flow", dict(sampler="heun", steps=4, seed=2)),
-    "heun_noclip_guided": ("flow-noclip", dict(sampler="heun", steps=3, seeds=[1, 2], guidance_scale=2.0)),
-    "heun_one": ("flow", dict(sampler="heun", steps=1, seed=3)),
+    "ddim": ("eps", {"sampler": "ddim", "steps": 5, "seed": 1}),
+    "ddim_eta_seeds": ("v", {"sampler": "ddim", "steps": 6, "eta": 0.5, "seeds": [3, 7]}),
+    "ddpm_strided_guided": ("eps", {"sampler": "ddpm", "steps": 6, "seed": 2, "guidance_scale": 2.0}),
+    "ddpm_all": ("x0", {"sampler": "ddpm", "steps": None, "seed": 3}),
+    "dpmpp2m_guided": ("v", {"sampler": "dpmpp2m", "steps": 6, "seed": 4, "guidance_scale": 1.5}),
+    "dpmpp2m_noclip": ("x0-noclip", {"sampler": "dpmpp2m", "steps": 7, "seeds": [5, 6]}),
+    "dpmpp2m_one": ("v-noclip", {"sampler": "dpmpp2m", "steps": 1, "seed": 1}),
+    "euler_guided": ("flow", {"sampler": "euler", "steps": 4, "seed": 1, "guidance_scale": 1.5}),
+    "euler_noclip": ("flow-noclip", {"sampler": "euler", "steps": 5, "seeds": [8, 9]}),
+    "heun": ("flow", {"sampler": "heun", "steps": 4, "seed": 2}),
+    "heun_noclip_guided": ("flow-noclip", {"sampler": "heun", "steps": 3, "seeds": [1, 2], "guidance_scale": 2.0}),
+    "heun_one": ("flow", {"sampler": "heun", "steps": 1, "seed": 3}),
 }
 # (sum, sha256 prefix) of each case's output, recorded by running the two sample() methods as they were before
 # the samplers became step classes around one loop (commit b48f963), torch 2.13.0+cpu on x86-64. A torch
@@ -540,3 +544,23 @@ def test_sampling_reproduces_the_pre_refactor_loops_bitwise(case):
     total, digest = _digest(x)
     ref_total, ref_digest = BITWISE_REFERENCE[case]
     assert digest == ref_digest, f"{case}: sum {total!r}, reference {ref_total!r}"
+
+
+# ---- the sampler registry ---------------------------------------------------------------------------
+def test_the_registry_is_the_one_list_of_samplers():
+    """The config's ``sampler`` choices, each objective's samplers and the config's fit check all come from
+    ``SAMPLERS``; every sampler runs with its default steps."""
+    choices = typing.get_args(typing.get_type_hints(C.DiffusionConfig)["sampler"])
+    assert set(choices) == set(SAMPLERS) and len(choices) == len(SAMPLERS)
+    gauss, flow = GaussianDiffusion(20), RectifiedFlow()
+    assert gauss.samplers == samplers_of("gaussian") == ("ddim", "ddpm", "dpmpp2m")
+    assert flow.samplers == samplers_of("flow") == ("euler", "heun")
+    assert set(gauss.samplers) | set(flow.samplers) == set(SAMPLERS)
+    for name, spec in SAMPLERS.items():
+        d = gauss if spec.objective == "gaussian" else flow
+        assert d.default_steps(name) == (spec.default_steps or d.timesteps)
+        prediction = "flow" if d is flow else "eps"
+        C.DiffusionConfig(prediction=prediction, sampler=name).validate()  # fits its own objective
+        with pytest.raises(C.ConfigError, match=f"sampler: {name!r} does not fit"):
+            C.DiffusionConfig(prediction="eps" if d is flow else "flow", sampler=name).validate()
+    assert gauss.evaluations("ddpm", None) == 20 and flow.evaluations("heun", None) == 2 * 25 - 1
