@@ -174,9 +174,6 @@ class ModelConfig(Section):
             raise ConfigError(f"channels: each must be divisible by norm_num_groups={self.norm_num_groups}")
 
 
-FLOW_SAMPLERS = ("euler", "heun")
-
-
 @dataclass
 class DiffusionConfig(Section):
     timesteps: int = key(250, "training timesteps of Gaussian diffusion", at_least=1)
@@ -200,10 +197,14 @@ class DiffusionConfig(Section):
 
     def validate(self) -> None:
         super().validate()
+        # imported here, not on top: the registry's step classes need torch, the config module does not
+        from .diffusion import SAMPLERS, samplers_of
+
         flow = self.prediction == "flow"
-        if flow != (self.sampler in FLOW_SAMPLERS):
-            kind = "euler or heun" if flow else "ddim, ddpm or dpmpp2m"
-            raise ConfigError(f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} (use {kind})")
+        objective = "flow" if flow else "gaussian"
+        if SAMPLERS[self.sampler].objective != objective:
+            raise ConfigError(f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} "
+                              f"(use {' or '.join(samplers_of(objective))})")
         if flow and self.min_snr_gamma is not None:
             raise ConfigError("min_snr_gamma: applies to Gaussian diffusion (eps / v / x0), not to prediction: flow")
         if self.flow_shift is not None and self.flow_shift <= 0:

@@ -3,7 +3,7 @@
 One entry point, ``generate``, used by the trainer's validation (``validator.py``), the sample command
 (``sample.py``) and the benchmarks (``bench.measure_sampling``, ``quality.py``). The sampler, its steps
 and the guidance come from ``resolve`` (the caller's choice, else the config's, else the objective's
-default: ``diffusion.SAMPLER_STEPS``); the autocast from ``precision`` for the run's precision on the
+default: its entry in ``diffusion.SAMPLERS``); the autocast from ``precision`` for the run's precision on the
 sampling device, so validation and the command sample alike.
 
 Seeds. Volume ``i`` of the mask named ``case`` draws all its noise (the start and, for ddpm, every step's)
@@ -31,13 +31,13 @@ import torch
 from . import checkpoint as ckpt
 from . import config as C
 from .data import DataError, MaskGrid, check_mask_labels, mask_to_cond, max_volume_bytes, read_volume, save_nifti
-from .diffusion import SAMPLERS, make_diffusion
+from .diffusion import make_diffusion
 from .seeding import volume_seed
 from .model import build_model
 from .precision import autocast_factory, resolve_precision
 
 log = logging.getLogger(__name__)
-__all__ = ["SAMPLERS", "Grid", "ModelGridMask", "Recipe", "Sampled", "SamplingError", "generate", "load_for_sampling",
+__all__ = ["Grid", "ModelGridMask", "Recipe", "Sampled", "SamplingError", "generate", "load_for_sampling",
            "load_mask", "resolve", "to_output_intensity", "volume_seed", "write_volume"]
 
 

@@ -324,7 +324,7 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def _sampling_steps(text: str | None) -> dict[str, int | None]:
-    steps: dict[str, int | None] = dict.fromkeys(SAMPLERS)  # None: the sampler's default (diffusion.SAMPLER_STEPS)
+    steps: dict[str, int | None] = dict.fromkeys(SAMPLERS)  # None: the sampler's default (diffusion.SAMPLERS)
     for part in (text or "").split(","):
         if not part.strip():
             continue
@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "python -m diffusion3d bench --parts quality --help)")
     p.add_argument("--loader", action="store_true", help="also measure the loader (cached vs uncached)")
     p.add_argument("--sampling", default="auto", help="samplers to time (auto: all of the config's objective), or none")
-    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's sampling_steps for its sampler, else diffusion.SAMPLER_STEPS)")
+    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's "
+                   "sampling_steps for its sampler, else its default in diffusion.SAMPLERS)")
     p.add_argument("--sampling_max_steps", type=int, default=None,
                    help="run at most this many steps and scale the time up (reported as extrapolated)")
     p.add_argument("--sampling_sizes", default=None, help="sizes for sampling (default: the smallest of --sizes)")
@@ -412,7 +413,7 @@ def _resolve_precisions(text: str, device: torch.device) -> list[str]:
 
 
 def _resolve_samplers(text: str, base: C.Config) -> list[str]:
-    """auto: every sampler of the config's objective (flow: euler, heun; Gaussian: ddpm, ddim, dpmpp2m)."""
+    """auto: every sampler of the config's objective (``diffusion.SAMPLERS``)."""
     fitting = make_diffusion(base).samplers
     if text == "auto":
         return list(fitting)

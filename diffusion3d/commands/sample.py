@@ -28,7 +28,7 @@ from .. import checkpoint as ckpt
 from .. import sampling, storage
 from .common import InputError, OneLineParser, configure_logging, device_flag, run_command
 from ..data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
-from ..sampling import SAMPLERS
+from ..diffusion import SAMPLERS, samplers_of
 
 log = logging.getLogger("diffusion3d.sample")  # not __name__: "__main__" under python -m
 
@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--masks", required=True, type=Path, help="a mask file or a folder of masks (.nii/.nii.gz)")
     p.add_argument("--out", required=True, type=Path, help="output folder (created)")
     p.add_argument("--n", type=_positive, default=1, help="samples per mask (default 1)")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help="default: the checkpoint config's; ddim|ddpm|dpmpp2m for Gaussian diffusion, euler|heun for flow")
+    p.add_argument("--sampler", choices=list(SAMPLERS), default=None,
+                   help=f"default: the checkpoint config's; {'|'.join(samplers_of('gaussian'))} for Gaussian "
+                   f"diffusion, {'|'.join(samplers_of('flow'))} for flow")
     p.add_argument("--steps", type=_positive, default=None,
                    help="sampling steps (default: the config's sampling_steps; ddpm: all training steps)")
     p.add_argument("--guidance_scale", type=_non_negative, default=None,
