@@ -182,8 +182,8 @@ class DiffusionConfig(Section):
                                                        "diffusion) or flow (rectified flow)")
     loss: Literal["l1", "l2"] = key("l1", "loss on the network's target")
     min_snr_gamma: float | None = key(None, "min-SNR-gamma loss weighting (Gaussian diffusion only)")
-    sampler: Literal["ddim", "ddpm", "dpmpp2m", "euler", "heun"] = key(
-        "ddim", "ddim, ddpm or dpmpp2m (Gaussian diffusion); euler or heun (flow)")
+    sampler: Literal["ddim", "ddpm", "dpmpp2m", "euler", "heun", "euler_a"] = key(
+        "ddim", "ddim, ddpm or dpmpp2m (Gaussian diffusion); euler, heun or euler_a (ancestral: fresh noise each step) (flow)")
     sampling_steps: int = key(50, "sampler steps (heun: 2 network evaluations per step but the last)", at_least=1)
     ddim_eta: float = key(0.0, "DDIM stochasticity")
     clip_x0: bool = key(True, "clip the predicted x0 to [-1, 1] while sampling")

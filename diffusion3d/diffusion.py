@@ -558,6 +558,29 @@ class HeunStep(SamplerStep):
         return x + dt * prediction
 
 
+class EulerAncestralStep(SamplerStep):
+    """Ancestral sampling on the flow's path x_t = (1 - t) x0 + t eps (DDPM's posterior for alpha = 1 - t,
+    sigma = t): each step turns the velocity into (x0, eps) = (x - t v, x + (1 - t) v) and draws
+    x' = (1 - t') x0 + sqrt(t'^2 - s^2) eps + s z, s = t' sqrt(1 - ((1 - t) t' / ((1 - t') t))^2).
+    The fresh noise z keeps samples of one mask apart where a deterministic sampler regresses to their mean;
+    with s = 0 the same step is exactly Euler. One evaluation per step; the step to t = 0 returns x0."""
+
+    def __init__(self, flow: RectifiedFlow, steps: int, eta: float = 0.0, noise: Noise | None = None) -> None:
+        super().__init__(flow, steps, 1.0, noise)
+        grid = flow.time_grid(steps)
+        self.times, self.ends = grid[:-1], grid[1:]
+
+    def step(self, i: int, x: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
+        t, t_next = self.times[i], self.ends[i]
+        x0, eps = x - t * prediction, x + (1 - t) * prediction
+        if t_next <= 0:
+            return x0
+        kept = (1 - t) * t_next / ((1 - t_next) * t)  # 0 at t = 1: the first step keeps no eps
+        s = self.eta * t_next * math.sqrt(max(1 - kept**2, 0.0))
+        x = (1 - t_next) * x0 + math.sqrt(max(t_next**2 - s**2, 0.0)) * eps
+        return x + s * self.noise(x.shape) if s > 0 else x
+
+
 @dataclass(frozen=True)
 class SamplerSpec:
     """A sampler: its step class, the objective it fits and its steps when no caller or config names them."""
@@ -576,6 +599,7 @@ SAMPLERS: dict[str, SamplerSpec] = {
     "dpmpp2m": SamplerSpec(DPMSolverStep, "gaussian", 20),
     "euler": SamplerSpec(EulerStep, "flow", 25),
     "heun": SamplerSpec(HeunStep, "flow", 25),
+    "euler_a": SamplerSpec(EulerAncestralStep, "flow", 25),
 }
 
 

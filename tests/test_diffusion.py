@@ -378,7 +378,7 @@ def test_flow_loss_is_zero_for_the_exact_velocity_of_a_point_mass():
     assert f.loss(lambda x_t, t, cond: torch.zeros_like(x_t), x0, None, [0, 1, 2]).min() > 0.1
 
 
-@pytest.mark.parametrize("sampler", ["euler", "heun"])
+@pytest.mark.parametrize("sampler", ["euler", "heun", "euler_a"])
 def test_a_perfect_velocity_field_transports_a_point_mass_exactly(sampler):
     c = -0.4
     exact = lambda x_t, t, cond: (x_t - c) / (t / FLOW_TIME_SCALE).view(-1, 1, 1, 1, 1)  # noqa: E731
@@ -387,7 +387,9 @@ def test_a_perfect_velocity_field_transports_a_point_mass_exactly(sampler):
         torch.testing.assert_close(x, torch.full_like(x, c), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("sampler,steps,tol", [("euler", 200, 0.02), ("heun", 20, 0.02)])
+# euler_a at 200 steps: std 0.293 (-2.4 %): ancestral steps put the posterior mean of x0 in place of x0
+# and so lose its posterior variance; the loss shrinks with the step size (10 steps: 0.219, Euler 0.246).
+@pytest.mark.parametrize("sampler,steps,tol", [("euler", 200, 0.02), ("heun", 20, 0.02), ("euler_a", 200, 0.03)])
 def test_flow_samplers_reach_the_data_distribution_with_the_exact_velocity(sampler, steps, tol):
     f = RectifiedFlow(shift=1.0, clip_x0=False)
     x = f.sample(flow_oracle(), SHAPE, sampler=sampler, steps=steps, seed=4)
@@ -406,6 +408,20 @@ def test_heun_beats_euler_at_equal_model_evaluations():
     # measured: euler-19 std 0.269, heun-10 0.284 (S = 0.3; the sample's own std is 0.298 at 1000 steps).
     # At 9 evaluations they tie: S = 0.3 makes the field stiff near the data end for a uniform grid.
     assert err["heun"] < 0.6 * err["euler"], err
+
+
+def test_ancestral_flow_step_without_its_noise_is_euler_and_with_it_is_seeded():
+    """With s = 0 (eta 0) the ancestral step is Euler exactly; with its noise two seeds differ, one repeats."""
+    f = RectifiedFlow(shift=2.0, clip_x0=False)
+    start, v = torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 4, 4, 4)
+    euler, ancestral = f.plan("euler", 4), f.plan("euler_a", 4)
+    ancestral.eta = 0.0
+    assert euler.times == ancestral.times and f.evaluations("euler_a", 4) == 4
+    for i in range(3):
+        torch.testing.assert_close(ancestral.step(i, start, v), euler.step(i, start, v), rtol=0, atol=1e-6)
+    a = f.sample(flow_oracle(), SHAPE, sampler="euler_a", steps=10, seed=1)
+    b = f.sample(flow_oracle(), SHAPE, sampler="euler_a", steps=10, seed=2)
+    assert not torch.equal(a, b) and torch.equal(a, f.sample(flow_oracle(), SHAPE, sampler="euler_a", steps=10, seed=1))
 
 
 def test_flow_sampling_counts_evaluations_and_is_seeded():
@@ -554,7 +570,7 @@ def test_the_registry_is_the_one_list_of_samplers():
     assert set(choices) == set(SAMPLERS) and len(choices) == len(SAMPLERS)
     gauss, flow = GaussianDiffusion(20), RectifiedFlow()
     assert gauss.samplers == samplers_of("gaussian") == ("ddim", "ddpm", "dpmpp2m")
-    assert flow.samplers == samplers_of("flow") == ("euler", "heun")
+    assert flow.samplers == samplers_of("flow") == ("euler", "heun", "euler_a")
     assert set(gauss.samplers) | set(flow.samplers) == set(SAMPLERS)
     for name, spec in SAMPLERS.items():
         d = gauss if spec.objective == "gaussian" else flow
