@@ -139,10 +139,10 @@ def synthetic_cases(cfg: C.Config, n: int = 2, seed: int = 0) -> SyntheticDatase
 def synthetic_trainer(cfg, batch: int, device: torch.device | str = "cpu", accum: int = PLAN_ACCUM) -> Trainer:
     """The Trainer of ``cfg`` at micro-batch ``batch`` × ``accum``, fed synthetic data: its step is the one
     that trains (precision, activation checkpointing, scaler, EMA, optimizer), without compiling (compiling
-    every trial size would take minutes), without data workers and with one process (no DDP buckets)."""
-    plan = C.from_dict(cfg.to_dict())
-    plan.train.batch_size, plan.train.gradient_accumulate_every = batch, accum
-    plan.train.compile, plan.data.num_workers = False, 0
+    every trial size would take minutes), without data workers and with one process (no DDP buckets, so no
+    effective_batch to keep: the trial's batch × accum need not give it)."""
+    plan = cfg.override(batch_size=batch, gradient_accumulate_every=accum, effective_batch=None, compile=False,
+                        num_workers=0)
     return Trainer(plan, synthetic_cases(plan), device)
 
 

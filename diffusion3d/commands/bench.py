@@ -127,21 +127,17 @@ def _cpu_name() -> str:
 def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], precision: str = "fp32",
                  checkpointing: bool = False, batch_size: int = 1, accum: int = 1, cache: str = "memory") -> C.Config:
     """The base config's model and diffusion on the synthetic data at ``size``³."""
-    cfg = C.from_dict(base.to_dict())
     image_dirs, mask_dir = data
-    d, t = cfg.data, cfg.train
-    d.image_dir = str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs]
-    d.mask_dir, d.manifest, d.image_suffix, d.mask_suffix = str(mask_dir), None, "", ""
-    d.image_size, d.spacing, d.intensity, d.intensity_range = [size] * 3, None, "range", [0.0, 1.0]
-    d.cache, d.num_val_cases, d.unknown_labels = cache, 0, "error"
-    cfg.model.activation_checkpointing = checkpointing
-    t.precision, t.batch_size, t.gradient_accumulate_every = precision, batch_size, accum
-    t.results_dir, t.quiet, t.compile, t.warmup_steps, t.train_num_steps = None, True, False, 0, 10**9
     try:
-        C.validate(cfg)
+        return base.override(
+            image_dir=str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs],
+            mask_dir=str(mask_dir), manifest=None, image_suffix="", mask_suffix="", image_size=[size] * 3,
+            spacing=None, intensity="range", intensity_range=[0.0, 1.0], cache=cache, num_val_cases=0,
+            unknown_labels="error", activation_checkpointing=checkpointing, precision=precision,
+            batch_size=batch_size, gradient_accumulate_every=accum, results_dir=None, quiet=True, compile=False,
+            warmup_steps=0, train_num_steps=10**9)
     except C.ConfigError as e:
         raise InputError(f"size {size}: {e}") from None
-    return cfg
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------------
