@@ -553,8 +553,9 @@ def key_table_markdown(shipped: Config | None = None) -> str:
         from .configs import DEFAULT
 
         shipped = load(DEFAULT)
-    rows = ["| section | key | built-in default | default.yaml | values | breaks resume | invalidates cache "
-            "| meaning |", "| --- | --- | --- | --- | --- | :---: | :---: | --- |"]
+    header = ["section", "key", "built-in default", "default.yaml", "values", "breaks resume", "invalidates cache",
+              "meaning"]
+    rows = ["| " + " | ".join(header) + " |", "| --- | --- | --- | --- | --- | :---: | :---: | --- |"]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
