@@ -153,7 +153,7 @@ def count_train_flops(trainer: Trainer) -> int:
 
 
 # ---- training --------------------------------------------------------------------------------------
-def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool) -> dict[str, Any]:
+def measure_training(cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool) -> dict[str, Any]:
     """Median optimizer-step time of a real Trainer on the config's data, its memory and FLOPs."""
     trainer = Trainer(cfg, build_dataset(discover(cfg), cfg, None), device, None, [])
     t = cfg.train
@@ -198,7 +198,8 @@ def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estim
     return out
 
 
-def run_isolated(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool, workdir: Path) -> dict[str, Any]:
+def run_isolated(cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool,
+                 workdir: Path) -> dict[str, Any]:
     """measure_training in a fresh interpreter, so its peak RSS belongs to this configuration alone."""
     spec = workdir / f"spec_{time.monotonic_ns()}.json"
     out = spec.with_suffix(".out.json")
@@ -241,7 +242,7 @@ class _TimedModel(torch.nn.Module):
         return out
 
 
-def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
+def measure_sampling(cfg: C.Config, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
                      repeats: int) -> dict[str, Any]:
     """Seconds per volume (batch 1) for ``steps`` sampling steps (None: the sampler's default, 0: every
     training timestep); with ``max_steps`` < steps, that many steps run and the time is scaled by
@@ -280,7 +281,7 @@ def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None,
 
 
 # ---- loader ----------------------------------------------------------------------------------------
-def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
+def measure_loader(cfg: C.Config, warmup: int, repeats: int) -> dict[str, Any]:
     """Seconds per micro-batch out of the training loader; cache: memory decodes once up front (timed as
     cache_build_s), cache: none decodes and transforms every volume of every batch."""
     cases = discover(cfg)
@@ -298,7 +299,7 @@ def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
             "cache_build_s": build, "batch_size": cfg.train.batch_size, "cases": len(cases)}
 
 
-def measure_startup(cfg, workers: int) -> dict[str, Any]:
+def measure_startup(cfg: C.Config, workers: int) -> dict[str, Any]:
     """Start-up before the first step: discovery + validation (every file decoded and checked, in ``workers``
     processes) and the memory cache build (decode + transforms, ``max(workers, 1)`` threads), in seconds."""
     from ..data import validate

@@ -12,7 +12,7 @@ from typing import Any
 import monai
 from monai.data import CacheDataset, Dataset, PersistentDataset
 
-from ..config import keys_where
+from ..config import Config, keys_where
 from .discovery import Case
 from .transforms import training_transforms
 
@@ -28,7 +28,7 @@ def data_items(cases: Sequence[Case], with_mask: bool) -> list[dict[str, Any]]:
     return items
 
 
-def transform_key(cfg) -> str:
+def transform_key(cfg: Config) -> str:
     """A short hash of every setting the cached tensors depend on (the keys whose metadata says ``cache``,
     and MONAI's version): a changed setting gets a fresh cache."""
     keys = keys_where("cache")
@@ -48,7 +48,7 @@ def _item_hash(item: dict[str, Any]) -> bytes:
     return hashlib.sha1(json.dumps(stats).encode()).hexdigest().encode()
 
 
-def build_dataset(cases: Sequence[Case], cfg, cache_dir: Path | None = None):
+def build_dataset(cases: Sequence[Case], cfg: Config, cache_dir: Path | None = None):
     """Decoded and transformed once: in memory, on disk, or (cache: none) every time.
 
     Items keep their metadata (MetaTensors); the loader hands plain tensors to the model.
