@@ -36,13 +36,16 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .seeding import SALT_COND_DROP, SALT_NOISE, SALT_SAMPLING, derive_seed
+
+if TYPE_CHECKING:  # config imports this module (its sampler check reads SAMPLERS)
+    from .config import Config
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Noise = Callable[[Sequence[int]], torch.Tensor]  # size -> Gaussian noise on the sampling device
@@ -240,7 +243,7 @@ class GaussianDiffusion(_Objective):
         self.snr = (alphas_cumprod / (1 - alphas_cumprod)).float()
 
     @classmethod
-    def from_config(cls, cfg) -> "GaussianDiffusion":
+    def from_config(cls, cfg: Config) -> "GaussianDiffusion":
         d = cfg.diffusion
         return cls(d.timesteps, d.schedule, d.prediction, d.loss, d.min_snr_gamma, d.clip_x0, cfg.train.seed,
                    d.cond_drop_prob)
@@ -381,7 +384,7 @@ class RectifiedFlow(_Objective):
         self.prediction = "flow"
 
     @classmethod
-    def from_config(cls, cfg) -> "RectifiedFlow":
+    def from_config(cls, cfg: Config) -> "RectifiedFlow":
         d = cfg.diffusion
         shift = d.flow_shift if d.flow_shift is not None else resolution_shift(cfg.data.image_size)
         return cls(shift, d.loss, d.flow_time_sampling, d.clip_x0, cfg.train.seed, d.cond_drop_prob)
@@ -608,7 +611,7 @@ def samplers_of(objective: str) -> tuple[str, ...]:
     return tuple(name for name, spec in SAMPLERS.items() if spec.objective == objective)
 
 
-def make_diffusion(cfg) -> GaussianDiffusion | RectifiedFlow:
+def make_diffusion(cfg: Config) -> GaussianDiffusion | RectifiedFlow:
     """The objective of a config: rectified flow for ``prediction: flow``, Gaussian diffusion otherwise."""
     if cfg.diffusion.prediction == "flow":
         return RectifiedFlow.from_config(cfg)

@@ -136,13 +136,14 @@ def synthetic_cases(cfg: C.Config, n: int = 2, seed: int = 0) -> SyntheticDatase
     return SyntheticDataset(cfg.data.image_size, cfg.image_channels, labels, n, seed)
 
 
-def synthetic_trainer(cfg, batch: int, device: torch.device | str = "cpu", accum: int = PLAN_ACCUM) -> Trainer:
+def synthetic_trainer(cfg: C.Config, batch: int, device: torch.device | str = "cpu",
+                      accum: int = PLAN_ACCUM) -> Trainer:
     """The Trainer of ``cfg`` at micro-batch ``batch`` × ``accum``, fed synthetic data: its step is the one
     that trains (precision, activation checkpointing, scaler, EMA, optimizer), without compiling (compiling
-    every trial size would take minutes), without data workers and with one process (no DDP buckets)."""
-    plan = C.from_dict(cfg.to_dict())
-    plan.train.batch_size, plan.train.gradient_accumulate_every = batch, accum
-    plan.train.compile, plan.data.num_workers = False, 0
+    every trial size would take minutes), without data workers and with one process (no DDP buckets, so no
+    effective_batch to keep: the trial's batch × accum need not give it)."""
+    plan = cfg.override(batch_size=batch, gradient_accumulate_every=accum, effective_batch=None, compile=False,
+                        num_workers=0)
     return Trainer(plan, synthetic_cases(plan), device)
 
 
@@ -179,7 +180,7 @@ def measure_step(trainer: Trainer) -> StepMemory:
     return StepMemory(trainer.cfg.train.batch_size, static_bytes(model), tracker.peak)
 
 
-def step_memory(cfg, batch: int, device: torch.device | str = "cpu") -> StepMemory:
+def step_memory(cfg: C.Config, batch: int, device: torch.device | str = "cpu") -> StepMemory:
     """Measure the trainer's step at ``batch`` with the config's precision and activation checkpointing."""
     return measure_step(synthetic_trainer(cfg, batch, device))
 
@@ -202,7 +203,7 @@ class MemoryModel:
         return max(0, min(b, max_batch))
 
 
-def fit_memory_model(cfg, device: torch.device | str = "cpu") -> MemoryModel:
+def fit_memory_model(cfg: C.Config, device: torch.device | str = "cpu") -> MemoryModel:
     one, two = step_memory(cfg, 1, device), step_memory(cfg, 2, device)
     slope = two.step_peak_bytes - one.step_peak_bytes
     return MemoryModel(one.static_bytes, one.step_peak_bytes - slope, slope)
@@ -230,7 +231,7 @@ def _prime_optimizer(trainer: Trainer) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[[int], bool]:
+def _cuda_trial(cfg: C.Config, device: torch.device, limit_bytes: int | None) -> Callable[[int], bool]:
     def fits(batch: int) -> bool:
         trainer = None
         try:
@@ -256,7 +257,8 @@ def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[
     return fits
 
 
-def find_max_batch(cfg, device: torch.device | str, limit_bytes: int | None = None, max_batch: int = 64) -> int:
+def find_max_batch(cfg: C.Config, device: torch.device | str, limit_bytes: int | None = None,
+                   max_batch: int = 64) -> int:
     """The largest micro-batch (≤ max_batch) whose training step fits, at the config's grid, precision and
     activation checkpointing. Raises MemoryPlanError when batch 1 does not fit."""
     device = torch.device(device)

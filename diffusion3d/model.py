@@ -13,6 +13,8 @@ from monai.networks.nets import DiffusionModelUNet
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .config import Config
+
 
 class _Checkpointed:
     """Replaces a block's forward: recompute in backward when gradients are needed."""
@@ -81,7 +83,7 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if isinstance(x, MetaTensor) else x
 
 
-def build_model(cfg) -> Denoiser:
+def build_model(cfg: Config) -> Denoiser:
     m = cfg.model
     return Denoiser(
         image_channels=cfg.image_channels,

@@ -50,7 +50,7 @@ class SamplingError(ValueError):
 
 
 # ---- seeds and intensities --------------------------------------------------------------------------
-def to_output_intensity(volume: np.ndarray, cfg) -> np.ndarray:
+def to_output_intensity(volume: np.ndarray, cfg: C.Config) -> np.ndarray:
     """Model range [-1, 1] → [0, 1] (unit), kept (model), or the fixed source range (source)."""
     kind = cfg.data.output_intensity
     if kind == "model":
@@ -118,7 +118,7 @@ class ModelGridMask:
         return volume.detach().cpu().float().numpy()
 
 
-def load_mask(path: Path, cfg) -> MaskGrid:
+def load_mask(path: Path, cfg: C.Config) -> MaskGrid:
     """Read a mask once: check it can condition the model (labels; any readable 3D volume for an
     unconditional model, which takes only its grid) and bring it to the model grid. DataError names the file."""
     info, voxels = read_volume(path, max_volume_bytes(cfg))
@@ -146,7 +146,8 @@ class Recipe:
     evaluations: int
 
 
-def resolve(cfg, sampler: str | None = None, steps: int | None = None, guidance: float | None = None) -> Recipe:
+def resolve(cfg: C.Config, sampler: str | None = None, steps: int | None = None,
+            guidance: float | None = None) -> Recipe:
     """The caller's settings, else the config's; steps else the objective's default (the one place:
     ``diffusion.default_steps``). SamplingError for a sampler or guidance the model cannot use."""
     diffusion = make_diffusion(cfg)
@@ -179,7 +180,7 @@ class Sampled:
 @torch.no_grad()
 def generate(
     model: Callable,
-    cfg,
+    cfg: C.Config,
     grids: Sequence[Grid],
     seeds: Sequence[int],
     *,
@@ -215,7 +216,7 @@ def generate(
             yield Sampled(start + offset, volume, grid.invert(volume, fill=-1.0))
 
 
-def write_volume(sampled: Sampled, grid: MaskGrid, cfg, path: Path) -> Path:
+def write_volume(sampled: Sampled, grid: MaskGrid, cfg: C.Config, path: Path) -> Path:
     """A sampled volume as NIfTI on its mask's grid (shape and affine), in the config's output intensity."""
     save_nifti(to_output_intensity(sampled.mask_grid, cfg), grid.original_affine, path)
     return path

@@ -72,7 +72,7 @@ class StepResult:
 class Trainer:
     def __init__(
         self,
-        cfg,
+        cfg: Config,
         dataset,
         device: torch.device | str = "cpu",
         results_dir: Path | None = None,

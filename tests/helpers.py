@@ -57,11 +57,8 @@ def make_dataset(root: Path, n: int = 6, size: int = 16) -> tuple[Path, Path]:
 
 
 def configure(cfg: C.Config, **values) -> C.Config:
-    """Set keys by name (as the command line does) and validate."""
-    for key, value in values.items():
-        C.set_key(cfg, key, value)
-    C.validate(cfg)
-    return cfg
+    """``cfg.override(**values)``: a copy with keys set by name (as the command line does), validated."""
+    return cfg.override(**values)
 
 
 def as_flags(cfg: C.Config) -> list[str]:

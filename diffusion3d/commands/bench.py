@@ -127,21 +127,17 @@ def _cpu_name() -> str:
 def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], precision: str = "fp32",
                  checkpointing: bool = False, batch_size: int = 1, accum: int = 1, cache: str = "memory") -> C.Config:
     """The base config's model and diffusion on the synthetic data at ``size``³."""
-    cfg = C.from_dict(base.to_dict())
     image_dirs, mask_dir = data
-    d, t = cfg.data, cfg.train
-    d.image_dir = str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs]
-    d.mask_dir, d.manifest, d.image_suffix, d.mask_suffix = str(mask_dir), None, "", ""
-    d.image_size, d.spacing, d.intensity, d.intensity_range = [size] * 3, None, "range", [0.0, 1.0]
-    d.cache, d.num_val_cases, d.unknown_labels = cache, 0, "error"
-    cfg.model.activation_checkpointing = checkpointing
-    t.precision, t.batch_size, t.gradient_accumulate_every = precision, batch_size, accum
-    t.results_dir, t.quiet, t.compile, t.warmup_steps, t.train_num_steps = None, True, False, 0, 10**9
     try:
-        C.validate(cfg)
+        return base.override(
+            image_dir=str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs],
+            mask_dir=str(mask_dir), manifest=None, image_suffix="", mask_suffix="", image_size=[size] * 3,
+            spacing=None, intensity="range", intensity_range=[0.0, 1.0], cache=cache, num_val_cases=0,
+            unknown_labels="error", activation_checkpointing=checkpointing, precision=precision,
+            batch_size=batch_size, gradient_accumulate_every=accum, results_dir=None, quiet=True, compile=False,
+            warmup_steps=0, train_num_steps=10**9)
     except C.ConfigError as e:
         raise InputError(f"size {size}: {e}") from None
-    return cfg
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------------
@@ -157,7 +153,7 @@ def count_train_flops(trainer: Trainer) -> int:
 
 
 # ---- training --------------------------------------------------------------------------------------
-def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool) -> dict[str, Any]:
+def measure_training(cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool) -> dict[str, Any]:
     """Median optimizer-step time of a real Trainer on the config's data, its memory and FLOPs."""
     trainer = Trainer(cfg, build_dataset(discover(cfg), cfg, None), device, None, [])
     t = cfg.train
@@ -202,7 +198,8 @@ def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estim
     return out
 
 
-def run_isolated(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool, workdir: Path) -> dict[str, Any]:
+def run_isolated(cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool,
+                 workdir: Path) -> dict[str, Any]:
     """measure_training in a fresh interpreter, so its peak RSS belongs to this configuration alone."""
     spec = workdir / f"spec_{time.monotonic_ns()}.json"
     out = spec.with_suffix(".out.json")
@@ -245,7 +242,7 @@ class _TimedModel(torch.nn.Module):
         return out
 
 
-def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
+def measure_sampling(cfg: C.Config, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
                      repeats: int) -> dict[str, Any]:
     """Seconds per volume (batch 1) for ``steps`` sampling steps (None: the sampler's default, 0: every
     training timestep); with ``max_steps`` < steps, that many steps run and the time is scaled by
@@ -284,7 +281,7 @@ def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None,
 
 
 # ---- loader ----------------------------------------------------------------------------------------
-def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
+def measure_loader(cfg: C.Config, warmup: int, repeats: int) -> dict[str, Any]:
     """Seconds per micro-batch out of the training loader; cache: memory decodes once up front (timed as
     cache_build_s), cache: none decodes and transforms every volume of every batch."""
     cases = discover(cfg)
@@ -302,7 +299,7 @@ def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
             "cache_build_s": build, "batch_size": cfg.train.batch_size, "cases": len(cases)}
 
 
-def measure_startup(cfg, workers: int) -> dict[str, Any]:
+def measure_startup(cfg: C.Config, workers: int) -> dict[str, Any]:
     """Start-up before the first step: discovery + validation (every file decoded and checked, in ``workers``
     processes) and the memory cache build (decode + transforms, ``max(workers, 1)`` threads), in seconds."""
     from ..data import validate

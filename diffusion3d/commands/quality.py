@@ -201,24 +201,20 @@ def parse_sampling(text: str | None, cfg: C.Config) -> list[SamplingSpec]:
 
 
 def bench_config(base: C.Config, train_root: Path, overrides: Sequence[str]) -> C.Config:
-    cfg = C.from_dict(base.to_dict(), "config")
+    """The base config with the ``key=value`` overrides, then on the benchmark's training data."""
+    pairs = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise QualityError(f"--set: expected key=value, got {item!r}")
-        try:
-            C.set_key(cfg, key.strip(), C.parse_value(value))
-        except C.ConfigError as e:
-            raise QualityError(f"--set: {e}") from None
-    for key, value in dict(image_dir=str(train_root / "images"), mask_dir=str(train_root / "masks"), manifest=None,
-                           image_suffix="", mask_suffix="", intensity="range", intensity_range=[0.0, 1.0],
-                           num_val_cases=0, cache="memory", quiet=True, orientation="RAS", spacing=None).items():
-        C.set_key(cfg, key, value)
+        pairs.append((key.strip(), C.parse_value(value)))
     try:
-        C.validate(cfg)
-    except C.ConfigError as e:
+        return base.override(pairs, image_dir=str(train_root / "images"), mask_dir=str(train_root / "masks"),
+                             manifest=None, image_suffix="", mask_suffix="", intensity="range",
+                             intensity_range=[0.0, 1.0], num_val_cases=0, cache="memory", quiet=True,
+                             orientation="RAS", spacing=None)
+    except C.ConfigError as e:  # names the key, whether --set gave it or the combination is invalid
         raise QualityError(f"config: {e}") from None
-    return cfg
 
 
 def score_samples(samples: np.ndarray, cases: Sequence[TestCase], labels: Sequence[int]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .. import checkpoint as ckpt
 from .. import sampling, storage
+from ..config import Config
 from .common import InputError, OneLineParser, configure_logging, device_flag, run_command
 from ..data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
 from ..diffusion import SAMPLERS, samplers_of
@@ -141,7 +142,8 @@ def run(argv: list[str] | None = None) -> list[Path]:
         lock.release()
 
 
-def _sample(model, cfg, jobs: list[Job], grids: dict[str, MaskGrid], recipe: sampling.Recipe, args, device) -> list[Path]:
+def _sample(model, cfg: Config, jobs: list[Job], grids: dict[str, MaskGrid], recipe: sampling.Recipe, args,
+            device) -> list[Path]:
     batches = -(-len(jobs) // args.batch_size)
     bar = tqdm(total=batches * recipe.evaluations, desc=f"sampling ({recipe.sampler})", unit="step",
                disable=args.quiet, dynamic_ncols=True)
