@@ -51,3 +51,13 @@ def test_curves_and_the_bench_hand_over(report, tmp_path, capsys, monkeypatch):
     code = bench_main(["--parts", "accumulation", "--json", str(tmp_path / "a.json")])
     out = capsys.readouterr().out
     assert code == 0 and "| precision | GradScaler |" in out and (tmp_path / "a.json").is_file()
+
+
+@pytest.mark.parametrize("batch_size,accum,ranks", [(1, 1, 1), (3, 7, 1), (5, 1, 1), (2, 3, 2)])
+def test_every_case_once_per_epoch_whatever_the_split(batch_size, accum, ranks):
+    """Splits that do not divide the 24 cases still read each case exactly once per epoch (also
+    tests/test_data.py::test_stream_epochs_are_permutations); a step may straddle an epoch's end."""
+    c = A.epoch_coverage(24, batch_size, accum, ranks, steps=40)
+    assert c["complete_epochs"] >= 1 and c["min_uses"] == c["max_uses"] == 1
+    assert c["samples"] == 40 * batch_size * accum * ranks
+    assert (c["steps_across_an_epoch_end"] == 0) == (24 % (batch_size * accum * ranks) == 0)

@@ -34,7 +34,7 @@ import torch
 
 from .. import config as C
 from .. import configs
-from ..data import build_dataset, discover
+from ..data import SampleStream, build_dataset, discover
 from ..trainer import NonFiniteError, Trainer
 from .common import OneLineParser, configure_logging, run_command, write_json
 from .quality import bench_config, write_phantom_set
@@ -192,10 +192,38 @@ def measure(batch_size: int = 2, accum: int = 4, steps: int = 50, sgd_lr: float 
         report["gradients"] = gradient_rows(bench, batch_size, accum)
         progress("updates")
         report["updates"] = update_rows(bench, batch_size, accum, steps, sgd_lr)
+        report["coverage"] = [epoch_coverage(24, b, a, w) for b, a, w in COVERAGE_SPLITS]
         if curves:
             progress("loss curves")
             report["curves"] = curve_rows(bench, batch_size, accum, steps, sgd_lr, clips)
     return report
+
+
+def epoch_coverage(num_cases: int, batch_size: int, accum: int, world_size: int = 1, steps: int = 100,
+                   seed: int = 0) -> dict[str, Any]:
+    """Which cases the optimizer steps of one split read, from the SampleStream as the trainer advances it
+    (``samples_seen`` += batch_size × accum × world_size per step): per complete epoch (sample ids
+    [e·n, (e+1)·n)), the fewest and most times a case was used, and how many steps straddle an epoch's end."""
+    stream = SampleStream(num_cases, seed)
+    ids: list[int] = []
+    for _ in range(steps):
+        for micro in range(accum):
+            for rank in range(world_size):
+                ids += stream.micro_batch_ids(micro, batch_size, rank, world_size)
+        stream.samples_seen += batch_size * accum * world_size
+    assert sorted(ids) == list(range(len(ids)))  # no sample id is skipped or read twice, whatever the split
+    epochs = len(ids) // num_cases
+    counts = np.zeros((epochs, num_cases), int)
+    for k in ids[: epochs * num_cases]:
+        counts[k // num_cases, stream.index(k)] += 1
+    per_step = batch_size * accum * world_size
+    straddling = sum(1 for s in range(steps) if (s * per_step) // num_cases != ((s + 1) * per_step - 1) // num_cases)
+    return {"num_cases": num_cases, "batch_size": batch_size, "accum": accum, "world_size": world_size,
+            "steps": steps, "samples": len(ids), "complete_epochs": epochs, "min_uses": int(counts.min()),
+            "max_uses": int(counts.max()), "steps_across_an_epoch_end": straddling}
+
+
+COVERAGE_SPLITS = ((1, 1, 1), (1, 8, 1), (2, 4, 1), (5, 1, 1), (3, 7, 1), (1, 5, 2), (7, 3, 4))
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -216,6 +244,12 @@ def format_report(r: dict[str, Any]) -> str:
              _table(["optimizer", "lr", "steps", "rel update diff (undiv vs div)", "update norm ratio"],
                     [[u["optimizer"], f"{u['lr']:g}", u["steps"], f"{u['rel_update_diff']:.2e}",
                       f"{u['update_norm_ratio']:.4f}"] for u in r["updates"]])]
+    if r.get("coverage"):
+        parts += ["", _table(["cases", "batch", "accum", "ranks", "steps", "samples", "complete epochs",
+                              "min uses per case per epoch", "max", "steps across an epoch end"],
+                             [[c["num_cases"], c["batch_size"], c["accum"], c["world_size"], c["steps"], c["samples"],
+                               c["complete_epochs"], c["min_uses"], c["max_uses"], c["steps_across_an_epoch_end"]]
+                              for c in r["coverage"]])]
     if r.get("curves"):
         parts += ["", _table(["optimizer", "lr", "loss", "max_grad_norm", "clipped fraction", "median grad norm",
                               "loss steps 1-10", f"loss steps {r['steps'] - 9}-{r['steps']}"],
