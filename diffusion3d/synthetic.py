@@ -51,8 +51,13 @@ def smooth_noise(rng: np.random.Generator, size: int, sigma: float = 4.0) -> np.
     return field / np.abs(field).max()
 
 
-def make_case(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return (mask uint8, image float32) for one synthetic case."""
+def make_case(rng: np.random.Generator, size: int,
+              texture_rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Return (mask uint8, image float32) for one synthetic case.
+
+    The geometry is drawn from ``rng`` first; the texture and noise from ``texture_rng`` (default: ``rng``,
+    continuing). Another ``texture_rng`` gives a second real draw of the same mask (the data's own diversity).
+    """
     grid = np.stack(np.meshgrid(*(np.arange(size, dtype=np.float64),) * 3, indexing="ij"))
     c = (size - 1) / 2
     scale = size / 32
@@ -75,6 +80,7 @@ def make_case(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarr
     mask[(r_les <= 1) & (r_head <= 1)] = 2
 
     head = mask > 0
+    rng = rng if texture_rng is None else texture_rng
     image = np.full(mask.shape, 0.02)
     image[head] = 0.5 + 0.08 * smooth_noise(rng, size)[head]
     rim = head & (r_head > 1 - 1.5 / head_ax.min())  # ~1.5-voxel thick skull

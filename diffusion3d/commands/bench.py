@@ -599,6 +599,9 @@ def _split_quality(argv: list[str]) -> list[str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from . import accumulation  # --parts accumulation: the loss-division questions (docs/accumulation.md)
+    if (rest := accumulation.split_argv(argv)) is not None:
+        return accumulation.main(rest)
     rest = _split_quality(argv)
     if rest is not None:
         from . import quality
