@@ -138,6 +138,10 @@ class DataConfig(Section):
                                        breaks_resume=True, cache=True)
     image_size: list[int] = key([32, 32, 32], "the model's grid; divisible by 2^(levels-1)", breaks_resume=True,
                                 cache=True)
+    space: Literal["pixel", "wavelet"] = key("pixel", "diffusion on the voxels, or on their Haar subbands "
+                                             "(WDM-3D)", breaks_resume=True)
+    wavelet_levels: int = key(1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)",
+                              at_least=1, breaks_resume=True)
     output_intensity: Literal["unit", "model", "source"] = key(
         "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)")
     resize_mode: Literal["pad_crop", "resize"] = key("pad_crop", "how volumes are fit to the model's grid",
@@ -166,6 +170,8 @@ class DataConfig(Section):
             raise ConfigError(f"intensity_range: expected [low, high] with low < high, got {low_high}")
         if not 0 <= self.lower_percentile < self.upper_percentile <= 100:
             raise ConfigError("lower_percentile/upper_percentile: need 0 <= lower < upper <= 100")
+        if self.wavelet_levels not in (1, 2):
+            raise ConfigError(f"wavelet_levels: must be 1 or 2, got {self.wavelet_levels}")
         if self.output_intensity == "source" and self.intensity != "range":
             raise ConfigError("output_intensity: source needs intensity: range (percentile scaling has no "
                               "fixed source range)")
@@ -353,10 +359,11 @@ class Config:
             getattr(self, section).validate()
         d, m = self.data, self.model
         factor = 2 ** (len(m.channels) - 1)
-        if any(s % factor for s in d.image_size):
-            raise ConfigError(
-                f"image_size: {d.image_size} must be divisible by {factor} (2^(levels-1) for {len(m.channels)} levels)"
-            )
+        wavelet = 2**d.wavelet_levels if d.space == "wavelet" else 1  # the UNet sees size / 2^wavelet_levels
+        if any(s % (factor * wavelet) for s in d.image_size):
+            why = f"2^(levels-1) for {len(m.channels)} levels"
+            why += f" × 2^{d.wavelet_levels} for the wavelet levels" if wavelet > 1 else ""
+            raise ConfigError(f"image_size: {d.image_size} must be divisible by {factor * wavelet} ({why})")
         if not d.labels and m.with_condition:
             raise ConfigError("labels: at least one label is needed with with_condition")
         if self.diffusion.guidance_scale != 1.0 and not m.with_condition:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import Config
+from .space import make_space
 
 
 class _Checkpointed:
@@ -29,7 +30,8 @@ class _Checkpointed:
 
 
 class Denoiser(nn.Module):
-    """eps/v/x0 predictor for x_t given t and (optionally) the one-hot mask channels."""
+    """eps/v/x0/velocity predictor for x_t given t and (optionally) the mask's condition channels.
+    ``image_channels`` are those the diffusion runs on: the image's, or its subbands in wavelet space."""
 
     def __init__(
         self,
@@ -84,10 +86,13 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(cfg: Config) -> Denoiser:
+    """The config's denoiser, its channels those of the space it runs in (wavelet: 8^levels subbands per
+    image channel, and the condition as the space puts it on the subband grid)."""
     m = cfg.model
+    space = make_space(cfg)
     return Denoiser(
-        image_channels=cfg.image_channels,
-        cond_channels=cfg.cond_channels,
+        image_channels=space.latent_shape(cfg.image_channels, cfg.data.image_size)[0],
+        cond_channels=space.cond_channels(cfg.cond_channels),
         channels=m.channels,
         attention_levels=m.attention_levels,
         num_res_blocks=m.num_res_blocks,

@@ -35,6 +35,7 @@ from .diffusion import make_diffusion
 from .seeding import volume_seed
 from .model import build_model
 from .precision import autocast_factory, resolve_precision
+from .space import make_space
 
 log = logging.getLogger(__name__)
 __all__ = ["Grid", "ModelGridMask", "Recipe", "Sampled", "SamplingError", "generate", "load_for_sampling",
@@ -203,16 +204,20 @@ def generate(
     recipe = resolve(cfg, sampler, steps, guidance)
     diffusion = make_diffusion(cfg)
     autocast = autocast_factory(resolve_precision(cfg.train.precision, device), device)
-    shape = (cfg.image_channels, *cfg.data.image_size)
+    space = make_space(cfg)  # the model samples in the space it was trained in; decoded before the grid inverse
+    shape = space.latent_shape(cfg.image_channels, cfg.data.image_size)
     if isinstance(model, torch.nn.Module):
         model.eval()
     for start in range(0, len(seeds), batch_size):
         part = list(grids[start:start + batch_size])
-        conds = torch.stack([g.cond(cfg.data.labels) for g in part]).to(device) if cfg.model.with_condition else None
-        x = diffusion.sample(model, (len(part), *shape), conds, recipe.sampler, recipe.steps, recipe.eta, device=device,
+        conds = None
+        if cfg.model.with_condition:
+            conds = space.cond(torch.stack([g.cond(cfg.data.labels) for g in part]).to(device))
+        z = diffusion.sample(model, (len(part), *shape), conds, recipe.sampler, recipe.steps, recipe.eta, device=device,
                              autocast=autocast, seeds=seeds[start:start + batch_size], on_step=on_step,
                              guidance_scale=recipe.guidance)
-        for offset, (grid, volume) in enumerate(zip(part, x.clamp(-1, 1).float().cpu())):
+        x = space.decode(z.float())
+        for offset, (grid, volume) in enumerate(zip(part, x.clamp(-1, 1).cpu())):
             yield Sampled(start + offset, volume, grid.invert(volume, fill=-1.0))
 
 

@@ -28,6 +28,7 @@ from .diffusion import make_diffusion
 from .model import build_model
 from .monitor import Monitor, peak_rss_gb
 from .precision import autocast_factory
+from .space import make_space
 from .validator import Validator
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class Trainer:
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.diffusion = make_diffusion(cfg)
+        self.space = make_space(cfg)  # the diffusion sees encoded images and conditions (pixel: unchanged)
         self.dataset = dataset
         self.stream = SampleStream(len(dataset), t.seed)
         self.step = 0
@@ -129,11 +131,11 @@ class Trainer:
             loader = make_loader(self.dataset, self.stream, self.cfg.train.batch_size, self.cfg, pin, self.rank, self.world_size)
             self._batches = iter(loader)
         batch = next(self._batches)
-        x0 = batch["image"].to(self.device, non_blocking=True)
+        x0 = self.space.encode(batch["image"].to(self.device, non_blocking=True))
         cond = None
         if self.cfg.model.with_condition:
             mask = batch["mask"].to(self.device, non_blocking=True)
-            cond = mask_to_cond(mask, self.cfg.data.labels)
+            cond = self.space.cond(mask_to_cond(mask, self.cfg.data.labels))
         if self.device.type == "cuda":
             x0 = x0.contiguous(memory_format=torch.channels_last_3d)
         return x0, cond, [int(k) for k in batch["sample_id"]]

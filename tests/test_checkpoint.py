@@ -35,9 +35,13 @@ def assert_same_weights(a: dict, b: dict) -> None:
             assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
 
 
-def test_exact_resume_in_process(tmp_path):
-    """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32)."""
-    cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=2, train_num_steps=4)
+WAVELET_1, WAVELET_2 = {"space": "wavelet", "wavelet_levels": 1}, {"space": "wavelet", "wavelet_levels": 2}
+
+
+@pytest.mark.parametrize("space", [{}, WAVELET_1, WAVELET_2], ids=["pixel", "wavelet1", "wavelet2"])
+def test_exact_resume_in_process(tmp_path, space):
+    """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32), in every space."""
+    cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=2, train_num_steps=4, **space)
     cases = discover(cfg)
     straight = build_trainer(cfg, cases, "cpu", None)
     for _ in range(4):

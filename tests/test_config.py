@@ -119,7 +119,7 @@ def test_every_choice_key_is_typed():
     """The keys with a fixed set of values carry it in their type (no separate CHOICES table)."""
     assert {name for name, _ in _literal_keys()} == {
         "unknown_labels", "intensity", "output_intensity", "resize_mode", "cache", "schedule", "prediction",
-        "loss", "sampler", "flow_time_sampling", "lr_schedule", "precision"}
+        "loss", "sampler", "flow_time_sampling", "lr_schedule", "precision", "space"}
 
 
 @pytest.mark.parametrize("key, choices", _literal_keys())
@@ -235,14 +235,14 @@ def test_override_is_a_validated_copy():
 # ---- the metadata: breaking keys, cache key ---------------------------------------------------------
 def test_resume_breaking_keys_come_from_the_metadata():
     """checkpoint.BREAKING_KEYS is derived from key(..., breaks_resume=True): the same keys as the
-    hand-written table it replaced."""
+    hand-written table it replaced, plus the space keys."""
     assert {s: set(k) for s, k in checkpoint.BREAKING_KEYS.items()} == {
         "model": {"with_condition", "channels", "num_res_blocks", "attention_levels", "num_head_channels",
                   "norm_num_groups"},
         "diffusion": {"timesteps", "schedule", "prediction"},
         "data": {"image_dir", "mask_dir", "manifest", "image_suffix", "mask_suffix", "labels", "orientation",
                  "spacing", "intensity", "lower_percentile", "upper_percentile", "intensity_range", "image_size",
-                 "resize_mode", "num_val_cases"},
+                 "resize_mode", "num_val_cases", "space", "wavelet_levels"},
         "train": {"seed"},
     }
     saved, current = C.Config().to_dict(), C.Config().to_dict()

@@ -10,6 +10,7 @@ import torch
 from diffusion3d import checkpoint as ckpt
 from diffusion3d import config as C
 from diffusion3d import sampling
+from diffusion3d import space as S
 from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover
 from diffusion3d.diffusion import SAMPLERS, GaussianDiffusion, RectifiedFlow
@@ -48,6 +49,25 @@ def test_batch_of_one_equals_diffusion_sample_and_keeps_its_noise_in_a_batch(unt
     assert [s.index for s in pair] == [0, 1]
     torch.testing.assert_close(pair[0].model_grid, single["ddpm"], rtol=0, atol=1e-4)  # batched convs round differently
     assert (pair[1].model_grid - pair[0].model_grid).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_wavelet_model_samples_subbands_and_generate_decodes_them(tmp_path, levels):
+    """In wavelet space generate samples the latent shape with the condition on the subband grid, and
+    returns the decoded volume on the model grid: decode(diffusion.sample(...)) clamped, nothing else."""
+    cfg = tiny_config(tmp_path, space="wavelet", wavelet_levels=levels, prediction="flow", sampler="euler", loss="l2")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    assert model.image_channels == 8**levels and model.cond_channels == 2
+    grid = random_mask(cfg, 0)
+    space = S.make_space(cfg)
+    cond = space.cond(grid.cond(cfg.data.labels)[None])
+    assert cond.shape == (1, 2, *[16 // 2**levels] * 3)
+    latent = RectifiedFlow.from_config(cfg).sample(model, (1, *space.latent_shape(1, [16] * 3)), cond, "euler", 2,
+                                                   seeds=[11])
+    (out,) = sampling.generate(model, cfg, [grid], [11], sampler="euler", steps=2)
+    assert out.model_grid.shape == (1, 16, 16, 16)
+    torch.testing.assert_close(out.model_grid, space.decode(latent).clamp(-1, 1)[0], rtol=0, atol=0)
 
 
 def test_generate_batches_in_order_and_writes_on_each_masks_grid(untrained, tmp_path):

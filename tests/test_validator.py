@@ -26,9 +26,11 @@ class FakeMonitor:
         self.flushed += 1
 
 
-@pytest.mark.parametrize("conditional", [True, False])
-def test_cases_load_once_and_each_validation_reads_no_file(tmp_path, monkeypatch, conditional):
-    cfg = tiny_config(tmp_path, with_condition=conditional, num_val_cases=2, num_samples=2, sampling_steps=2)
+@pytest.mark.parametrize("conditional, space", [(True, "pixel"), (False, "pixel"), (True, "wavelet")])
+def test_cases_load_once_and_each_validation_reads_no_file(tmp_path, monkeypatch, conditional, space):
+    """... and in wavelet space the montage and the files hold the decoded volume on the model / mask grid."""
+    cfg = tiny_config(tmp_path, with_condition=conditional, num_val_cases=2, num_samples=2, sampling_steps=2,
+                      space=space)
     _, val = split_cases(discover(cfg), cfg.data.num_val_cases)
     validator = Validator(cfg, val, "cpu")
 

@@ -49,6 +49,7 @@ from ..synthetic import write_cases
 from ..model import build_model, count_parameters
 from ..precision import autocast_factory
 from ..sampling import ModelGridMask, generate
+from ..space import make_space
 from ..trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -255,8 +256,9 @@ def measure_sampling(cfg: C.Config, device: torch.device, sampler: str, steps: i
     run_steps = min(steps, max_steps) if max_steps else steps
     item = synthetic_cases(cfg, n=1, seed=cfg.train.seed)[0]
     grid = ModelGridMask(item["mask"] if cfg.model.with_condition else torch.zeros(1, *cfg.data.image_size))
-    shape = (1, cfg.image_channels, *cfg.data.image_size)
-    cond = grid.cond(cfg.data.labels)[None].to(device) if cfg.model.with_condition else None
+    space = make_space(cfg)  # the warm-up evaluation sees what generate's do: the space's shapes
+    shape = (1, *space.latent_shape(cfg.image_channels, cfg.data.image_size))
+    cond = space.cond(grid.cond(cfg.data.labels)[None].to(device)) if cfg.model.with_condition else None
     timed = _TimedModel(model, device)
     with torch.no_grad(), autocast_factory(cfg.train.precision, device)():  # warm-up: one evaluation
         model(torch.randn(shape, device=device), torch.zeros(1, dtype=torch.long, device=device), cond)

@@ -1,0 +1,135 @@
+"""Spaces: the Haar transform (exact inverse, orthonormal, WDM's low-pass scale), the condition on the subband
+grid, shapes, the config keys; a sampler's oracle in wavelet space."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusion3d import config as C
+from diffusion3d import space as S
+from diffusion3d.diffusion import FLOW_TIME_SCALE, RectifiedFlow
+from tests.helpers import configure
+
+
+def volumes(shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 2 - 1
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_decode_inverts_encode(levels, channels):
+    x = volumes((2, channels, 16, 16, 32))
+    space = S.WaveletSpace(levels)
+    z = space.encode(x)
+    assert z.shape == (2, channels * 8**levels, 16 // 2**levels, 16 // 2**levels, 32 // 2**levels)
+    assert z.shape[1:] == space.latent_shape(channels, [16, 16, 32])
+    torch.testing.assert_close(space.decode(z), x, rtol=0, atol=1e-6)
+    x64 = x.double()
+    assert (space.decode(space.encode(x64)) - x64).abs().max() < 1e-14  # exact up to float64 rounding
+
+
+def test_haar_is_orthonormal_and_preserves_energy():
+    x = volumes((2, 2, 8, 8, 8), seed=1, dtype=torch.float64)
+    z = S.haar3d(x)
+    assert z.square().sum() == pytest.approx(x.square().sum().item(), rel=1e-12)
+    y = volumes((2, 2, 8, 8, 8), seed=2, dtype=torch.float64)
+    assert (z * S.haar3d(y)).sum() == pytest.approx((x * y).sum().item(), rel=1e-12)  # inner products too
+    # encode = haar3d with each level's low-pass band divided by 3: put the factor back, the energy is kept
+    for levels in (1, 2):
+        z = S.WaveletSpace(levels).encode(x)
+        undone = z.clone()
+        per_band = torch.ones(8**levels, dtype=torch.float64)
+        for level in range(levels):  # band index in base 8, one digit per level; digit 0 = that level's LLL
+            digit = (torch.arange(8**levels) // 8 ** (levels - 1 - level)) % 8
+            per_band[digit == 0] *= S.LOWPASS_SCALE
+        undone *= per_band.repeat(2).view(1, -1, 1, 1, 1)
+        assert undone.square().sum() == pytest.approx(x.square().sum().item(), rel=1e-12)
+
+
+def test_subbands_of_known_blocks():
+    """A constant 2³ block is all low-pass (its sum / √8, then / 3); a step along W is the LLH band alone."""
+    x = torch.full((1, 1, 2, 2, 2), 0.6)
+    z = S.WaveletSpace(1).encode(x).flatten()
+    assert z[0].item() == pytest.approx(8 * 0.6 / 8**0.5 / 3) and z[1:].abs().max() < 1e-7
+    step = torch.tensor([-1.0, 1.0]).repeat(4).view(1, 1, 2, 2, 2)  # varies with the last axis (W) only
+    bands = S.haar3d(step).flatten()
+    assert bands[1].item() == pytest.approx(-8 / 8**0.5)  # LLH: band index 0b001
+    assert torch.cat([bands[:1], bands[2:]]).abs().max() < 1e-6
+
+
+def test_low_pass_band_of_an_image_in_range_stays_in_range():
+    """WDM's divisor 3 keeps the low-pass band of a [-1, 1] image within [-1, 1] (|sum|/√8/3 ≤ 0.943)."""
+    for levels in (1, 2):
+        space = S.WaveletSpace(levels)
+        for value in (-1.0, 1.0):
+            z = space.encode(torch.full((1, 1, 8, 8, 8), value))
+            assert z[:, 0].abs().max() <= 1.0 and z[:, 0].abs().max() > 0.85
+
+
+def test_condition_on_the_subband_grid():
+    mask = torch.zeros(1, 1, 8, 8, 8, dtype=torch.uint8)
+    mask[..., :3, :, :] = 1  # label 1 fills 3 of every 4 rows along D: the 2³ blocks at D 2-3 hold it half
+    onehot = torch.cat([mask == 1, mask == 2], 1).float() * 2 - 1
+    pooled = S.WaveletSpace(1, cond="pool").cond(onehot)
+    assert pooled.shape == (1, 2, 4, 4, 4)
+    assert pooled[0, 0, 0].eq(1).all() and pooled[0, 0, 1].eq(0).all() and pooled[0, 0, 2:].eq(-1).all()
+    assert pooled[0, 1].eq(-1).all()  # label 2 is nowhere
+    torch.testing.assert_close(S.WaveletSpace(2, cond="pool").cond(onehot), F.avg_pool3d(onehot, 4))
+    haar = S.WaveletSpace(1, cond="haar")
+    assert haar.cond(onehot).shape == (1, 16, 4, 4, 4) and haar.cond_channels(2) == 16
+    torch.testing.assert_close(haar.decode(haar.cond(onehot)), onehot)  # nothing of the mask is lost
+    assert S.WaveletSpace(2).cond_channels(3) == 3 and S.PixelSpace().cond_channels(3) == 3
+
+
+def test_pixel_space_is_the_identity():
+    x = volumes((1, 2, 4, 4, 4))
+    p = S.PixelSpace()
+    assert p.encode(x) is x and p.decode(x) is x and p.cond(x) is x
+    assert p.latent_shape(2, [4, 6, 8]) == (2, 4, 6, 8)
+
+
+def test_bad_shapes_and_settings_are_refused():
+    with pytest.raises(ValueError, match="even"):
+        S.haar3d(torch.zeros(1, 1, 4, 4, 5))
+    with pytest.raises(ValueError, match="divisible by 4"):
+        S.WaveletSpace(2).latent_shape(1, [16, 16, 18])
+    with pytest.raises(ValueError, match="1 or 2"):
+        S.WaveletSpace(3)
+    with pytest.raises(ValueError, match="pool, haar"):
+        S.WaveletSpace(1, cond="learned")
+
+
+def test_config_keys_choose_the_space_and_check_divisibility():
+    cfg = configure(C.Config(), channels=[8, 16, 16], attention_levels=[False, False, False], norm_num_groups=4,
+                    image_size=[32, 32, 16], space="wavelet", wavelet_levels=2)
+    space = S.make_space(cfg)
+    assert isinstance(space, S.WaveletSpace) and space.levels == 2
+    assert isinstance(S.make_space(C.Config()), S.PixelSpace)
+    # 3 UNet levels need 4 | size; 2 wavelet levels make it 16 | size
+    with pytest.raises(C.ConfigError, match=r"divisible by 16 \(2\^\(levels-1\) for 3 levels × 2\^2"):
+        configure(cfg, image_size=[32, 32, 24])
+    configure(cfg, image_size=[32, 32, 24], wavelet_levels=1)  # 8 | 24
+    configure(cfg, image_size=[36, 36, 36], space="pixel")  # 4 | 36
+    for bad in (0, 3):
+        with pytest.raises(C.ConfigError, match="wavelet_levels"):
+            configure(C.Config(), wavelet_levels=bad)
+
+
+# ---- a sampler's oracle in subband space --------------------------------------------------------------
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+def test_a_perfect_velocity_field_in_subband_space_decodes_to_the_image(levels, sampler):
+    """Data = one image x* (a point mass): in subband space the exact velocity is (z_t - z*) / t, the flow
+    samplers transport the noise onto z* = encode(x*) exactly, and the decoded sample is x* voxel for voxel."""
+    space = S.WaveletSpace(levels)
+    image = volumes((1, 2, 8, 8, 8), seed=5)
+    target = space.encode(image)
+
+    def exact(z_t, t_scaled, cond):
+        return (z_t - target) / (t_scaled / FLOW_TIME_SCALE).view(-1, 1, 1, 1, 1)
+
+    flow = RectifiedFlow(shift=2.0, clip_x0=False)
+    z = flow.sample(exact, (3, *space.latent_shape(2, [8, 8, 8])), sampler=sampler, steps=3, seeds=[1, 2, 3])
+    torch.testing.assert_close(space.decode(z), image.expand(3, -1, -1, -1, -1), rtol=0, atol=1e-5)
