@@ -1,6 +1,6 @@
-"""Checkpoints: atomic save, finding the newest valid one (in a run or its checkpoints folder), retention,
-the resume compatibility check, the folder lock (one writer per results folder) and storage errors
-(ENOSPC, EIO, read-only) as one-line faults."""
+"""Checkpoints: atomic save (``storage.atomic_write``, free space checked first), finding the newest valid one
+(in a run or its checkpoints folder), choosing what to resume, retention and the resume compatibility check.
+The folder lock and the storage errors live in ``storage``."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from it. Samplers (all batched):
            in log-SNR
   euler    rectified flow, one evaluation per step
   heun     rectified flow, 2nd order, 2 evaluations per step but the last
+  euler_a  rectified flow, ancestral: fresh noise each step (DDPM's posterior on the flow path), one evaluation
 
 Rectified flow (Liu et al. 2022; Esser et al. 2024): x_t = (1 - t) x0 + t eps on t in [0, 1], the model
 predicts the velocity v = eps - x0, training times are logit-normal and shifted toward noise for volumes

@@ -1,7 +1,7 @@
 """Sampling (library): a checkpoint and masks → volumes on the masks' own grids.
 
 One entry point, ``generate``, used by the trainer's validation (``validator.py``), the sample command
-(``sample.py``) and the benchmarks (``bench.measure_sampling``, ``quality.py``). The sampler, its steps
+(``commands/sample.py``) and the benchmarks (``commands/bench.py``, ``commands/quality.py``). The sampler, its steps
 and the guidance come from ``resolve`` (the caller's choice, else the config's, else the objective's
 default: its entry in ``diffusion.SAMPLERS``); the autocast from ``precision`` for the run's precision on the
 sampling device, so validation and the command sample alike.

@@ -28,7 +28,7 @@ Metrics (MONAI's where they exist):
   ``diversity_note`` says the samples' diversity has no reference;
 - per mask label (``--labels``, default: every label in the mask, background 0 included): mean and standard
   deviation of intensity inside the label, in the real image and in the sample.
-- with masks, mask fidelity and sharpness (``diffusion3d.metrics``, the same as the quality benchmark's):
+- with masks, mask fidelity and sharpness (``diffusion3d.evaluation.metrics``, the same as the quality benchmark's):
   ``head_dice`` (Otsu threshold of the sample vs. all labels), ``lesion_dice`` (the extreme class of a
   three-class Otsu inside the head vs. the last label), ``truth_*_dice`` (the same on the real image: the
   ceiling), ``contrast_ratio`` (lesion / rest-of-head contrast, sample over real), ``abs_mean_error_max``

@@ -2,7 +2,7 @@
 
 Two sets, each written afresh with its own seeds (the test masks are never trained on):
 
-- ``phantom``: the demo's kind (``diffusion3d.phantoms``), train seeds (seed, 1, i), test seeds (seed, 2, i);
+- ``phantom``: the demo's kind (``diffusion3d.synthetic.make_case``), train seeds (seed, 1, i), test seeds (seed, 2, i);
 - ``realistic``: smooth random deformations (a small rotation/scale plus a smooth displacement field) and a
   smooth multiplicative bias field of the real whole-head pair in ``../shared/data/whole_head`` (Med-DDPM's
   sample_3), deformed at 128³ and brought to the model grid by 4× area averaging (masks by majority vote).
@@ -10,7 +10,7 @@ Two sets, each written afresh with its own seeds (the test masks are never train
 
 At every ``eval_every`` optimizer steps (and at the end) the EMA model samples every test mask
 ``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance]``) and the samples are
-scored against the truth by ``diffusion3d.metrics`` (per-label mean error, Otsu Dice of head and lesion,
+scored against the truth by ``diffusion3d.evaluation.metrics`` (per-label mean error, Otsu Dice of head and lesion,
 contrast ratio, SSIM, PSNR, sharpness ratio, diversity). The phantom set also draws each test mask a second
 time (same mask, independent texture and noise): the samples' diversity is reported beside the data's own
 (``model_div``, ``data_div``, ``div_ratio``) and their SSIM and sharpness beside the twin's (``metrics.
