@@ -146,7 +146,7 @@ def test_scale_helpers():
     assert [scores.ms_ssim_scales((s,) * 3) for s in (13, 16, 32, 40, 64, 128)] == [0, 2, 3, 3, 4, 5]
     assert metrics.ssim_window((40, 36, 30)) == 11 and metrics.ssim_window((8, 9, 9)) == 7
     small = [torch.rand(1, 1, 12, 12, 12) for _ in range(2)]
-    value, pairs, note = scores.diversity(small)
+    value, pairs, note = scores.ms_ssim_among(small)
     assert value is None and pairs == 0 and "too small" in note
     unit = inputs.to_unit(np.array([[[-1.0, 0.0, 0.5, 2.0]]]), 0.0, 1.0)
     assert unit.shape == (1, 1, 1, 1, 4) and unit.flatten().tolist() == [0.0, 0.0, 0.5, 1.0]

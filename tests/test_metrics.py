@@ -98,9 +98,9 @@ def test_lesion_dice_is_not_fooled_by_the_skull_rim_but_catches_a_faint_lesion(c
 def test_diversity(case):
     image, _ = case
     rng = np.random.default_rng(3)
-    assert M.diversity([image, image]) == pytest.approx(1.0)
-    assert M.diversity([rng.uniform(0, 1, image.shape), rng.uniform(0, 1, image.shape)]) < 0.1
-    assert math.isnan(M.diversity([image]))
+    assert M.mean_pairwise_ssim([image, image]) == pytest.approx(1.0)
+    assert M.mean_pairwise_ssim([rng.uniform(0, 1, image.shape), rng.uniform(0, 1, image.shape)]) < 0.1
+    assert math.isnan(M.mean_pairwise_ssim([image]))
 
 
 def test_diversity_against_the_datas_own(case):

@@ -249,7 +249,7 @@ def score_samples(samples: np.ndarray, cases: Sequence[TestCase], labels: Sequen
         for s in group:
             per_sample.append(metrics.score_sample(s, case.truth, case.mask, labels))
         if per_mask > 1:
-            diversities.append(metrics.diversity(group))
+            diversities.append(metrics.mean_pairwise_ssim(group))
             references.append(metrics.reference_diversity(group, case.truth, case.twin, case.mask))
     keys = per_sample[0].keys()
     summary = {k: _nanmean([r[k] for r in per_sample]) for k in keys}

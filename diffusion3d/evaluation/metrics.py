@@ -161,7 +161,7 @@ def realism(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray) -> dict[str
     }
 
 
-def diversity(samples: Sequence[np.ndarray]) -> float:
+def mean_pairwise_ssim(samples: Sequence[np.ndarray]) -> float:
     """Mean SSIM over all pairs of samples of one mask (lower = more diverse); NaN for fewer than 2."""
     if len(samples) < 2:
         return float("nan")
@@ -175,7 +175,7 @@ def score_sample(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels
 
 def model_diversity(samples: Sequence[np.ndarray]) -> float:
     """1 − mean pairwise SSIM of the samples of one mask (0: identical); NaN for fewer than 2."""
-    return 1.0 - diversity(samples)
+    return 1.0 - mean_pairwise_ssim(samples)
 
 
 def data_diversity(truth: np.ndarray, twin: np.ndarray) -> float:

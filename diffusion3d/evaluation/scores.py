@@ -79,7 +79,7 @@ def per_sample_metrics(sample: torch.Tensor, real: torch.Tensor) -> dict[str, fl
     }
 
 
-def diversity(samples: list[torch.Tensor]) -> tuple[float | None, int, str]:
+def ms_ssim_among(samples: list[torch.Tensor]) -> tuple[float | None, int, str]:
     """(mean pairwise MS-SSIM, number of pairs, note). None when there are < 2 samples or they are too small."""
     if len(samples) < 2:
         return None, 0, "needs at least 2 samples"
@@ -150,7 +150,7 @@ def evaluate(
                 row["labels"] = stats
                 row.update(fidelity(sample[0, 0].numpy(), real[0, 0].numpy(), mask_np, case_labels))
             rows.append(row)
-        ms, n_pairs, note = diversity(units)
+        ms, n_pairs, note = ms_ssim_among(units)
         if report is not None:
             report.add_case(c.case, real[0, 0].numpy(), [u[0, 0].numpy() for u in units], mask_np)
         per_case.append({"case": c.case, "image": str(c.image), "mask": str(c.mask) if c.mask else None,
