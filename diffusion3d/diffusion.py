@@ -93,6 +93,28 @@ class _Objective:
         keep = (~self.drop_flags(sample_ids)).to(cond.device, cond.dtype)
         return cond * keep.view(-1, *([1] * (cond.dim() - 1)))
 
+    def loss(
+        self,
+        model: Denoiser,
+        x0: torch.Tensor,
+        cond: torch.Tensor | None,
+        sample_ids: Sequence[int],
+        autocast: Callable[[], object] | None = None,
+    ) -> torch.Tensor:
+        """Per-sample loss, shape [B], fp32: t and noise of sample k from (seed, k) on the CPU, the objective's
+        network time, target and weight. ``autocast`` (a context factory) wraps only the model call."""
+        t, noise = self.draw(sample_ids, x0.shape[1:])
+        t = t.to(x0.device, non_blocking=True)
+        noise = noise.to(x0.device, non_blocking=True)
+        x_t = self.q_sample(x0, t, noise)
+        cond = self.training_cond(cond, sample_ids)
+        loss = self.regression_loss(model, x_t, self.net_time(t), cond, self.target(x0.float(), t, noise), autocast)
+        weight = self.loss_weight(t, x0.device)
+        return loss if weight is None else loss * weight
+
+    def loss_weight(self, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        return None
+
     def regression_loss(self, model: Denoiser, x_t: torch.Tensor, net_t: torch.Tensor, cond: torch.Tensor | None,
                         target: torch.Tensor, autocast: Callable[[], object] | None) -> torch.Tensor:
         """Per-sample mean L1 / L2 between the model output and ``target``; autocast wraps the model alone."""
@@ -289,26 +311,16 @@ class GaussianDiffusion(_Objective):
             noises.append(torch.randn(tuple(shape), generator=g))
         return torch.cat(ts), torch.stack(noises)
 
-    def loss(
-        self,
-        model: Denoiser,
-        x0: torch.Tensor,
-        cond: torch.Tensor | None,
-        sample_ids: Sequence[int],
-        autocast: Callable[[], object] | None = None,
-    ) -> torch.Tensor:
-        """Per-sample loss, shape [B], fp32. ``autocast`` (a context factory) wraps only the model call."""
-        t, noise = self.draw(sample_ids, x0.shape[1:])
-        t = t.to(x0.device, non_blocking=True)
-        noise = noise.to(x0.device, non_blocking=True)
-        x_t = self.q_sample(x0, t, noise)
-        loss = self.regression_loss(model, x_t, t, self.training_cond(cond, sample_ids), self.target(x0.float(), t, noise), autocast)
-        if self.min_snr_gamma is not None:
-            snr = self.snr.to(x0.device)[t]
-            clipped = snr.clamp(max=self.min_snr_gamma)
-            weight = {"eps": clipped / snr, "v": clipped / (snr + 1), "x0": clipped}[self.prediction]
-            loss = loss * weight
-        return loss
+    def net_time(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def loss_weight(self, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """min-SNR-gamma (Hang et al. 2023) per sample, or None."""
+        if self.min_snr_gamma is None:
+            return None
+        snr = self.snr.to(device)[t]
+        clipped = snr.clamp(max=self.min_snr_gamma)
+        return {"eps": clipped / snr, "v": clipped / (snr + 1), "x0": clipped}[self.prediction]
 
     # ---- sampling ---------------------------------------------------------------------------------
     def sampling_timesteps(self, steps: int, spacing: str = "uniform") -> list[int]:
@@ -408,21 +420,11 @@ class RectifiedFlow(_Objective):
         t = t.float().view(-1, *([1] * (x0.dim() - 1)))
         return (1 - t) * x0.float() + t * noise.float()
 
-    def loss(
-        self,
-        model: Denoiser,
-        x0: torch.Tensor,
-        cond: torch.Tensor | None,
-        sample_ids: Sequence[int],
-        autocast: Callable[[], object] | None = None,
-    ) -> torch.Tensor:
-        """Per-sample loss, shape [B], fp32. ``autocast`` (a context factory) wraps only the model call."""
-        t, noise = self.draw(sample_ids, x0.shape[1:])
-        t = t.to(x0.device, non_blocking=True)
-        noise = noise.to(x0.device, non_blocking=True)
-        x_t = self.q_sample(x0, t, noise)
-        target = noise.float() - x0.float()
-        return self.regression_loss(model, x_t, t * FLOW_TIME_SCALE, self.training_cond(cond, sample_ids), target, autocast)
+    def net_time(self, t: torch.Tensor) -> torch.Tensor:
+        return t * FLOW_TIME_SCALE
+
+    def target(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return noise.float() - x0.float()
 
     # ---- sampling ---------------------------------------------------------------------------------
     def time_grid(self, steps: int) -> list[float]:
