@@ -1,6 +1,6 @@
-"""Checkpoints: atomic save, finding the newest valid one (in a run or its checkpoints folder), retention,
-the resume compatibility check, the folder lock (one writer per results folder) and storage errors
-(ENOSPC, EIO, read-only) as one-line faults."""
+"""Checkpoints: atomic save (``storage.atomic_write``, free space checked first), finding the newest valid one
+(in a run or its checkpoints folder), choosing what to resume, retention and the resume compatibility check.
+The folder lock and the storage errors live in ``storage``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .config import keys_where
 from .storage import atomic_write, check_free_space, storage_error
 
 log = logging.getLogger(__name__)
@@ -19,17 +20,9 @@ FORMAT_VERSION = 1
 NAME = re.compile(r"^step_(\d{8,})\.pt$")
 REQUIRED_KEYS = ("format_version", "model", "ema", "optimizer", "scaler", "step", "samples_seen", "config")
 
-# Config keys whose change breaks a run's continuation (model shape, data, randomness, schedule).
-BREAKING_KEYS = {
-    "model": ("with_condition", "channels", "num_res_blocks", "attention_levels", "num_head_channels", "norm_num_groups"),
-    "diffusion": ("timesteps", "schedule", "prediction"),
-    "data": (
-        "image_dir", "mask_dir", "manifest", "image_suffix", "mask_suffix", "labels", "orientation", "spacing",
-        "intensity", "lower_percentile", "upper_percentile", "intensity_range", "image_size", "resize_mode",
-        "num_val_cases", "space", "wavelet_levels",
-    ),
-    "train": ("seed",),
-}
+# Config keys whose change breaks a run's continuation (model shape, data, randomness, schedule): section ->
+# key names, as each key's metadata in config.py says (``key(..., breaks_resume=True)``).
+BREAKING_KEYS = keys_where("breaks_resume")
 
 
 class CheckpointError(RuntimeError):

@@ -11,9 +11,11 @@ meaning (shown by ``--help``) and lower bound; each section checks itself (``val
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -25,10 +27,14 @@ class ConfigError(ValueError):
     """A config file or value that cannot be used; the message names the key or file."""
 
 
-def key(default: Any, help: str, *, at_least: float | None = None, expect: str | None = None) -> Any:
-    """A config field: its default, its meaning (``--help``), optionally a lower bound and the words for
-    what it expects (for a type error's message)."""
-    metadata = {"help": help, "at_least": at_least, "expect": expect}
+def key(default: Any, help: str, *, at_least: float | None = None, expect: str | None = None,
+        breaks_resume: bool = False, cache: bool = False) -> Any:
+    """A config field: its default, its meaning (``--help``, the docs' key table), optionally a lower bound
+    and the words for what it expects (for a type error's message). ``breaks_resume``: a checkpoint trained
+    with another value cannot be continued (model shape, data, randomness, noise schedule; see
+    ``checkpoint.BREAKING_KEYS``). ``cache``: the cached training tensors depend on it (``data.transform_key``)."""
+    metadata = {"help": help, "at_least": at_least, "expect": expect, "breaks_resume": breaks_resume,
+                "cache": cache}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -106,39 +112,50 @@ class Section:
 # ---- the sections -----------------------------------------------------------------------------------
 @dataclass
 class DataConfig(Section):
-    image_dir: str | list[str] = key("data/demo/images", "image folder, or a list of folders (one image channel each, in order)")
-    mask_dir: str = key("data/demo/masks", "mask folder (label maps)")
-    manifest: str | None = key(None, "CSV with columns case, image (or image_0, image_1, ...), mask, instead of folders")
+    image_dir: str | list[str] = key("data/demo/images", "image folder, or a list of folders (one image channel "
+                                     "each, in order)", breaks_resume=True)
+    mask_dir: str = key("data/demo/masks", "mask folder (label maps)", breaks_resume=True)
+    manifest: str | None = key(None, "CSV with columns case, image (or image_0, image_1, ...), mask, instead of "
+                               "folders", breaks_resume=True)
     image_channels: int | None = key(
         None, "image volumes per case (the model's image channels); found by discovery: one per image_dir "
         "folder or manifest image column. The run records it, so sampling needs no data; set it only to check",
         at_least=1)
-    image_suffix: str = key("", "stripped from image file names to find the case name (e.g. _t1)")
-    mask_suffix: str = key("", "stripped from mask file names (e.g. _seg)")
-    labels: list[int] = key([1, 2], "mask labels -> one-hot condition channels, in order")
+    image_suffix: str = key("", "stripped from image file names to find the case name (e.g. _t1)", breaks_resume=True)
+    mask_suffix: str = key("", "stripped from mask file names (e.g. _seg)", breaks_resume=True)
+    labels: list[int] = key([1, 2], "mask labels -> one-hot condition channels, in order", breaks_resume=True)
     unknown_labels: Literal["error", "warn"] = key("error", "mask values outside {0} and labels: refuse, or warn "
                                                    "and treat them as background")
-    orientation: str | None = key("RAS", "axis codes everything is reoriented to (null: keep the file's)")
-    spacing: list[float] | None = key(None, "resample to this spacing in mm (null: keep the file's grid)")
-    intensity: Literal["percentile", "range", "none"] = key("percentile", "how each volume is scaled to [-1, 1]")
-    lower_percentile: float = key(0.0, "for intensity: percentile")
-    upper_percentile: float = key(99.5, "for intensity: percentile")
-    intensity_range: list[float] = key([0.0, 1.0], "[low, high] mapped to [-1, 1], for intensity: range")
-    image_size: list[int] = key([32, 32, 32], "the model's grid; divisible by 2^(levels-1)")
-    space: Literal["pixel", "wavelet"] = key("pixel", "diffusion on the voxels, or on their Haar subbands (WDM-3D)")
-    wavelet_levels: int = key(1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)", at_least=1)
+    orientation: str | None = key("RAS", "axis codes everything is reoriented to (null: keep the file's)",
+                                  breaks_resume=True, cache=True)
+    spacing: list[float] | None = key(None, "resample to this spacing in mm (null: keep the file's grid)",
+                                      breaks_resume=True, cache=True)
+    intensity: Literal["percentile", "range", "none"] = key("percentile", "how each volume is scaled to [-1, 1]",
+                                                            breaks_resume=True, cache=True)
+    lower_percentile: float = key(0.0, "for intensity: percentile", breaks_resume=True, cache=True)
+    upper_percentile: float = key(99.5, "for intensity: percentile", breaks_resume=True, cache=True)
+    intensity_range: list[float] = key([0.0, 1.0], "[low, high] mapped to [-1, 1], for intensity: range",
+                                       breaks_resume=True, cache=True)
+    image_size: list[int] = key([32, 32, 32], "the model's grid; divisible by 2^(levels-1)", breaks_resume=True,
+                                cache=True)
+    space: Literal["pixel", "wavelet"] = key("pixel", "diffusion on the voxels, or on their Haar subbands "
+                                             "(WDM-3D)", breaks_resume=True)
+    wavelet_levels: int = key(1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)",
+                              at_least=1, breaks_resume=True)
     output_intensity: Literal["unit", "model", "source"] = key(
         "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)")
-    resize_mode: Literal["pad_crop", "resize"] = key("pad_crop", "how volumes are fit to the model's grid")
+    resize_mode: Literal["pad_crop", "resize"] = key("pad_crop", "how volumes are fit to the model's grid",
+                                                     breaks_resume=True, cache=True)
     cache: Literal["memory", "disk", "none"] = key("memory", "decoded training set kept in memory (CacheDataset), "
                                                    "on disk in cache_dir (PersistentDataset), or not at all")
     cache_dir: str | None = key(None, "for cache: disk (null: results_dir/cache)")
     num_workers: int = key(0, "loader workers, validation processes and cache-build threads")
     pin_memory: bool = key(True, "pinned host memory for batches (CUDA)")
-    num_val_cases: int = key(2, "cases held out for validation sampling (when at least four remain for training)")
+    num_val_cases: int = key(2, "cases held out for validation sampling (when at least four remain for "
+                             "training)", breaks_resume=True)
     shape_tolerance_mm: float = key(1e-3, "how far image and mask affines may differ")
-    max_volume_gb: float | None = key(2.0, "refuse a file whose header declares more voxel data, before "
-                                      "reading it (null: no ceiling)")
+    max_volume_gb: float | None = key(2.0, "refuse a file whose header declares more voxel data (shape × "
+                                      "datatype size), before reading it (null: no ceiling)")
 
     def validate(self) -> None:
         super().validate()
@@ -162,12 +179,13 @@ class DataConfig(Section):
 
 @dataclass
 class ModelConfig(Section):
-    with_condition: bool = key(True, "concatenate the mask's label channels to the noisy image")
-    channels: list[int] = key([32, 64, 64], "channels per UNet level")
-    num_res_blocks: int = key(1, "residual blocks per level")
-    attention_levels: list[bool] = key([False, False, True], "self-attention (SDPA) per level")
-    num_head_channels: int = key(32, "attention head width")
-    norm_num_groups: int = key(8, "GroupNorm groups")
+    with_condition: bool = key(True, "concatenate the mask's label channels to the noisy image",
+                               breaks_resume=True, cache=True)
+    channels: list[int] = key([32, 64, 64], "channels per UNet level", breaks_resume=True)
+    num_res_blocks: int = key(1, "residual blocks per level", breaks_resume=True)
+    attention_levels: list[bool] = key([False, False, True], "self-attention (SDPA) per level", breaks_resume=True)
+    num_head_channels: int = key(32, "attention head width", breaks_resume=True)
+    norm_num_groups: int = key(8, "GroupNorm groups", breaks_resume=True)
     activation_checkpointing: bool = key(False, "recompute blocks in backward (less memory, same gradients)")
 
     def validate(self) -> None:
@@ -178,24 +196,21 @@ class ModelConfig(Section):
             raise ConfigError(f"channels: each must be divisible by norm_num_groups={self.norm_num_groups}")
 
 
-FLOW_SAMPLERS = ("euler", "heun")
-
-
 @dataclass
 class DiffusionConfig(Section):
-    timesteps: int = key(250, "training timesteps of Gaussian diffusion", at_least=1)
-    schedule: Literal["cosine", "linear"] = key("cosine", "noise schedule")
+    timesteps: int = key(250, "training timesteps of Gaussian diffusion", at_least=1, breaks_resume=True)
+    schedule: Literal["cosine", "linear"] = key("cosine", "noise schedule", breaks_resume=True)
     prediction: Literal["eps", "v", "x0", "flow"] = key("eps", "network target: eps, v or x0 (Gaussian "
-                                                       "diffusion) or flow (rectified flow)")
+                                                       "diffusion) or flow (rectified flow)", breaks_resume=True)
     loss: Literal["l1", "l2"] = key("l1", "loss on the network's target")
     min_snr_gamma: float | None = key(None, "min-SNR-gamma loss weighting (Gaussian diffusion only)")
-    sampler: Literal["ddim", "ddpm", "dpmpp2m", "euler", "heun"] = key(
-        "ddim", "ddim, ddpm or dpmpp2m (Gaussian diffusion); euler or heun (flow)")
+    sampler: Literal["ddim", "ddpm", "dpmpp2m", "euler", "heun", "euler_a"] = key(
+        "ddim", "ddim, ddpm or dpmpp2m (Gaussian diffusion); euler, heun or euler_a (ancestral: fresh noise each step) (flow)")
     sampling_steps: int = key(50, "sampler steps (heun: 2 network evaluations per step but the last)", at_least=1)
     ddim_eta: float = key(0.0, "DDIM stochasticity")
     clip_x0: bool = key(True, "clip the predicted x0 to [-1, 1] while sampling")
     flow_shift: float | None = key(None, "flow time shift toward noise (null: (voxels / 32^3)^(1/3), as "
-                                   "MONAI's RFlowScheduler)")
+                                   "MONAI's RFlowScheduler: 1 at 32^3, 4 at 128^3)")
     flow_time_sampling: Literal["logit_normal", "uniform"] = key("logit_normal", "training times of the flow")
     cond_drop_prob: float = key(0.0, "classifier-free guidance: fraction of samples trained with the null "
                                 "condition")
@@ -204,10 +219,14 @@ class DiffusionConfig(Section):
 
     def validate(self) -> None:
         super().validate()
+        # imported here, not on top: the registry's step classes need torch, the config module does not
+        from .diffusion import SAMPLERS, samplers_of
+
         flow = self.prediction == "flow"
-        if flow != (self.sampler in FLOW_SAMPLERS):
-            kind = "euler or heun" if flow else "ddim, ddpm or dpmpp2m"
-            raise ConfigError(f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} (use {kind})")
+        objective = "flow" if flow else "gaussian"
+        if SAMPLERS[self.sampler].objective != objective:
+            raise ConfigError(f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} "
+                              f"(use {' or '.join(samplers_of(objective))})")
         if flow and self.min_snr_gamma is not None:
             raise ConfigError("min_snr_gamma: applies to Gaussian diffusion (eps / v / x0), not to prediction: flow")
         if self.flow_shift is not None and self.flow_shift <= 0:
@@ -241,9 +260,10 @@ class TrainConfig(Section):
     ema_start_step: int = key(0, "first step with an EMA update")
     ema_warmup: bool = key(True, "decay min(ema_decay, (1 + n) / (10 + n)) after n updates: early EMA tracks "
                            "the model")
-    precision: Literal["fp32", "fp16", "bf16"] = key("fp32", "autocast of the forward pass (fp16: CUDA only)")
+    precision: Literal["fp32", "fp16", "bf16"] = key("fp32", "autocast of the forward pass (fp16: CUDA only, "
+                                                     "with a GradScaler)")
     device: str = key("auto", "auto, cpu, cuda or cuda:N")
-    seed: int = key(0, "the whole run's randomness derives from it")
+    seed: int = key(0, "the whole run's randomness derives from it", breaks_resume=True)
     results_dir: str | None = key(None, "where checkpoints, logs and samples go (null: runs/<config name>)")
     save_every: int = key(100, "optimizer steps between checkpoints", at_least=1)
     sample_every: int = key(250, "optimizer steps between validation samplings", at_least=1)
@@ -253,7 +273,8 @@ class TrainConfig(Section):
     milestone_every: int = key(0, "also keep every M-th step's checkpoint (0: none)")
     resume: str = key("auto", "auto (newest valid checkpoint), none, or a checkpoint path")
     overwrite: bool = key(False, "with resume none: delete the folder's checkpoints, logs and samples")
-    max_nonfinite_steps: int = key(10, "consecutive non-finite steps before the run stops", at_least=1)
+    max_nonfinite_steps: int = key(10, "consecutive non-finite steps before the run stops (fp16 gets 24 more "
+                                   "for the scaler's back-off)", at_least=1)
     compile: bool = key(False, "torch.compile the denoiser")
     quiet: bool = key(False, "no progress bar")
 
@@ -305,6 +326,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def override(self, values: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), /, **more: Any) -> Config:
+        """A validated copy with keys set by name, as the command line sets them (type-checked, ``accum``
+        allowed): first ``values`` (a mapping or (key, value) pairs, in order), then ``more``. ConfigError
+        names the key; ``self`` is untouched."""
+        cfg = copy.deepcopy(self)
+        pairs = values.items() if isinstance(values, Mapping) else values
+        for name, value in [*pairs, *more.items()]:
+            set_key(cfg, name, value)
+        cfg.validate()
+        return cfg
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
@@ -351,6 +383,13 @@ def key_index() -> dict[str, tuple[str, dataclasses.Field]]:
             assert f.name not in index, f"duplicate config key {f.name}"
             index[f.name] = (section, f)
     return index
+
+
+def keys_where(flag: str) -> dict[str, tuple[str, ...]]:
+    """section -> its key names whose metadata sets ``flag`` (``breaks_resume`` or ``cache``), in field
+    order; sections without one are left out."""
+    found = {section: tuple(f.name for f in fields(cls) if f.metadata.get(flag)) for section, cls in SECTIONS.items()}
+    return {section: names for section, names in found.items() if names}
 
 
 def hint_of(key: str) -> Any:
@@ -484,3 +523,77 @@ def apply_arguments(cfg: Config, args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None:
             set_key(cfg, name, parse_value(value))
+
+
+# ---- the docs' key table -------------------------------------------------------------------------------
+TABLE_BEGIN = "<!-- key table: generated from diffusion3d/config.py by `python -m diffusion3d.config`; do not edit -->"
+TABLE_END = "<!-- end of the key table -->"
+KEY_TABLE_DOC = Path("docs/configuration.md")  # relative to the repository root
+
+
+def _values(hint: Any, at_least: float | None) -> str:
+    """What a key takes, for the table: its choices, or its type (and lower bound)."""
+    if _is_union(hint):
+        return " or ".join(_values(arm, at_least) for arm in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return ", ".join(f"`{c}`" for c in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return "list of " + {bool: "booleans", int: "integers", float: "numbers", str: "strings"}[
+            typing.get_args(hint)[0]]
+    if hint is type(None):
+        return "`null`"
+    word = {bool: "`true`, `false`", int: "integer", float: "number", str: "string"}[hint]
+    return f"{word} ≥ {show(at_least)}" if at_least is not None else word
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell (``|`` splits cells, ``<x`` would start an HTML tag)."""
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
+def key_table_markdown(shipped: Config | None = None) -> str:
+    """The Markdown table of every key, from the sections' metadata: section, key, built-in (dataclass)
+    default, the value ``shipped`` (default: the bundled default.yaml, the demo) sets where it differs,
+    what it takes, whether a change breaks a resume or invalidates the disk cache, and its meaning."""
+    if shipped is None:
+        # configs imports this module: import it only when called
+        from .configs import DEFAULT
+
+        shipped = load(DEFAULT)
+    header = ["section", "key", "built-in default", "default.yaml", "values", "breaks resume", "invalidates cache",
+              "meaning"]
+    rows = ["| " + " | ".join(header) + " |", "| --- | --- | --- | --- | --- | :---: | :---: | --- |"]
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            demo = getattr(getattr(shipped, section), f.name)
+            cells = [section, f"`{f.name}`", f"`{show(default)}`", f"`{show(demo)}`" if demo != default else "",
+                     _values(hints[f.name], f.metadata.get("at_least")),
+                     "yes" if f.metadata.get("breaks_resume") else "", "yes" if f.metadata.get("cache") else "",
+                     _cell(f.metadata["help"])]
+            rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def with_key_table(text: str, table: str, source: str = "<text>") -> str:
+    """``text`` with ``table`` between the TABLE_BEGIN and TABLE_END lines (ConfigError if they are missing)."""
+    start, end = text.find(TABLE_BEGIN), text.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ConfigError(f"{source}: no key table markers ({TABLE_BEGIN} ... {TABLE_END})")
+    return text[: start + len(TABLE_BEGIN)] + "\n\n" + table + "\n" + text[end:]  # blank lines: Markdown blocks
+
+
+def write_key_table(path: str | Path = KEY_TABLE_DOC) -> None:
+    """Regenerate the key table inside ``path`` (between its markers), leaving the prose around it."""
+    path = Path(path)
+    path.write_text(with_key_table(path.read_text(), key_table_markdown(), str(path)))
+
+
+if __name__ == "__main__":  # python -m diffusion3d.config [docs/configuration.md]
+    import sys
+
+    # the package's module, not this __main__ copy of it
+    from diffusion3d.config import write_key_table as _write
+
+    _write(*sys.argv[1:2])

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import os
 import socket
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -178,16 +182,43 @@ def _rank_label() -> str:
     return f"rank {os.environ.get('RANK', '?')}/{os.environ.get('WORLD_SIZE', '?')}"
 
 
+def write_error_file(exc: BaseException) -> None:
+    """Write ``exc`` to torchrun's error file (``TORCHELASTIC_ERROR_FILE``) atomically; no-op when unset.
+
+    torchrun prints this file's message as the job's root cause (without it: "error_file: <N/A>"). The JSON
+    is what torch's ``ErrorHandler.record_exception`` writes, but that opens the final path (creating it
+    empty) before writing. When one rank fails, torchrun SIGTERMs the others and then parses the error file
+    of every rank that has exited; a rank killed between that open and the write leaves an empty file, and
+    torchrun itself dies with a JSONDecodeError instead of reporting the failure. So: write a temporary file
+    in the same folder and ``os.replace`` it onto the path, which is then either absent or complete.
+    Call it from inside the ``except`` block that caught ``exc``: the file takes the active traceback.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    # a unique name per writer: two failing writers to one path never share (or truncate) a temporary file
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "w") as fp:
+            json.dump(data, fp)
+            fp.flush()
+            os.fsync(fp.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def abort(exc: BaseException, exit_code: int = 1) -> NoReturn:
     """Report ``exc`` as this rank's failure and end the process now (no clean-up that could block).
 
     Call it from inside the ``except`` block that caught ``exc``: the error file takes the active traceback.
     """
-    # torchrun prints this file's message as the job's root cause; without it: "error_file: <N/A>".
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
     try:
-        get_error_handler().record_exception(exc)
+        write_error_file(exc)
     except Exception as e:  # reporting must never stop the exit below
         log.warning("could not write torchrun's error file: %s", e)
     log.critical("%s on %s failed, ending the job: %s: %s", _rank_label(), socket.gethostname(),

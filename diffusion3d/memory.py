@@ -50,6 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from . import config as C
 from .precision import AUTOCAST_DTYPES
+from .synthetic import SyntheticDataset
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -149,36 +150,21 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
 
-class SyntheticCases(torch.utils.data.Dataset):
-    """``n`` seeded training items of the configured shape, as the cache holds them: an image in [-1, 1] and
-    a label map of the configured labels. The planning Trainer's data, so no files are needed."""
-
-    def __init__(self, cfg, n: int = 2, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        size = tuple(cfg.data.image_size)
-        labels = torch.tensor([0, *cfg.data.labels], dtype=torch.uint8)
-        self.items = []
-        for _ in range(n):
-            item = {"image": torch.rand((cfg.image_channels, *size), generator=g) * 2 - 1}
-            if cfg.model.with_condition:
-                item["mask"] = labels[torch.randint(0, len(labels), (1, *size), generator=g)]
-            self.items.append(item)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.items[index]
+def synthetic_cases(cfg: C.Config, n: int = 2, seed: int = 0) -> SyntheticDataset:
+    """Training items of ``cfg``'s shape, channels and labels (``synthetic.SyntheticDataset``)."""
+    labels = cfg.data.labels if cfg.model.with_condition else None
+    return SyntheticDataset(cfg.data.image_size, cfg.image_channels, labels, n, seed)
 
 
-def synthetic_trainer(cfg, batch: int, device: torch.device | str = "cpu", accum: int = PLAN_ACCUM) -> Trainer:
+def synthetic_trainer(cfg: C.Config, batch: int, device: torch.device | str = "cpu",
+                      accum: int = PLAN_ACCUM) -> Trainer:
     """The Trainer of ``cfg`` at micro-batch ``batch`` × ``accum``, fed synthetic data: its step is the one
     that trains (precision, activation checkpointing, scaler, EMA, optimizer), without compiling (compiling
-    every trial size would take minutes), without data workers and with one process (no DDP buckets)."""
-    plan = C.from_dict(cfg.to_dict())
-    plan.train.batch_size, plan.train.gradient_accumulate_every = batch, accum
-    plan.train.compile, plan.data.num_workers = False, 0
-    return Trainer(plan, SyntheticCases(plan), device)
+    every trial size would take minutes), without data workers and with one process (no DDP buckets, so no
+    effective_batch to keep: the trial's batch × accum need not give it)."""
+    plan = cfg.override(batch_size=batch, gradient_accumulate_every=accum, effective_batch=None, compile=False,
+                        num_workers=0)
+    return Trainer(plan, synthetic_cases(plan), device)
 
 
 @dataclass
@@ -214,7 +200,7 @@ def measure_step(trainer: Trainer) -> StepMemory:
     return StepMemory(trainer.cfg.train.batch_size, static_bytes(model), tracker.peak)
 
 
-def step_memory(cfg, batch: int, device: torch.device | str = "cpu") -> StepMemory:
+def step_memory(cfg: C.Config, batch: int, device: torch.device | str = "cpu") -> StepMemory:
     """Measure the trainer's step at ``batch`` with the config's precision and activation checkpointing."""
     return measure_step(synthetic_trainer(cfg, batch, device))
 
@@ -237,7 +223,7 @@ class MemoryModel:
         return max(0, min(b, max_batch))
 
 
-def fit_memory_model(cfg, device: torch.device | str = "cpu") -> MemoryModel:
+def fit_memory_model(cfg: C.Config, device: torch.device | str = "cpu") -> MemoryModel:
     one, two = step_memory(cfg, 1, device), step_memory(cfg, 2, device)
     slope = two.step_peak_bytes - one.step_peak_bytes
     return MemoryModel(one.static_bytes, one.step_peak_bytes - slope, slope)
@@ -265,7 +251,7 @@ def _prime_optimizer(trainer: Trainer) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[[int], bool]:
+def _cuda_trial(cfg: C.Config, device: torch.device, limit_bytes: int | None) -> Callable[[int], bool]:
     def fits(batch: int) -> bool:
         trainer = None
         try:
@@ -291,7 +277,8 @@ def _cuda_trial(cfg, device: torch.device, limit_bytes: int | None) -> Callable[
     return fits
 
 
-def find_max_batch(cfg, device: torch.device | str, limit_bytes: int | None = None, max_batch: int = 64) -> int:
+def find_max_batch(cfg: C.Config, device: torch.device | str, limit_bytes: int | None = None,
+                   max_batch: int = 64) -> int:
     """The largest micro-batch (≤ max_batch) whose training step fits, at the config's grid, precision and
     activation checkpointing. Raises MemoryPlanError when batch 1 does not fit."""
     device = torch.device(device)

@@ -13,6 +13,7 @@ from monai.networks.nets import DiffusionModelUNet
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .config import Config
 from .space import make_space
 
 
@@ -84,7 +85,7 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if isinstance(x, MetaTensor) else x
 
 
-def build_model(cfg) -> Denoiser:
+def build_model(cfg: Config) -> Denoiser:
     """The config's denoiser, its channels those of the space it runs in (wavelet: 8^levels subbands per
     image channel, and the condition as the space puts it on the subband grid)."""
     m = cfg.model

@@ -1,9 +1,9 @@
 """Sampling (library): a checkpoint and masks → volumes on the masks' own grids.
 
 One entry point, ``generate``, used by the trainer's validation (``validator.py``), the sample command
-(``sample.py``) and the benchmarks (``bench.measure_sampling``, ``quality.py``). The sampler, its steps
+(``commands/sample.py``) and the benchmarks (``commands/bench.py``, ``commands/quality.py``). The sampler, its steps
 and the guidance come from ``resolve`` (the caller's choice, else the config's, else the objective's
-default: ``diffusion.SAMPLER_STEPS``); the autocast from ``precision`` for the run's precision on the
+default: its entry in ``diffusion.SAMPLERS``); the autocast from ``precision`` for the run's precision on the
 sampling device, so validation and the command sample alike.
 
 Seeds. Volume ``i`` of the mask named ``case`` draws all its noise (the start and, for ddpm, every step's)
@@ -31,14 +31,14 @@ import torch
 from . import checkpoint as ckpt
 from . import config as C
 from .data import DataError, MaskGrid, check_mask_labels, mask_to_cond, max_volume_bytes, read_volume, save_nifti
-from .diffusion import SAMPLERS, make_diffusion
+from .diffusion import make_diffusion
 from .seeding import volume_seed
 from .model import build_model
 from .precision import autocast_factory, resolve_precision
 from .space import make_space
 
 log = logging.getLogger(__name__)
-__all__ = ["SAMPLERS", "Grid", "ModelGridMask", "Recipe", "Sampled", "SamplingError", "generate", "load_for_sampling",
+__all__ = ["Grid", "ModelGridMask", "Recipe", "Sampled", "SamplingError", "generate", "load_for_sampling",
            "load_mask", "resolve", "to_output_intensity", "volume_seed", "write_volume"]
 
 
@@ -51,7 +51,7 @@ class SamplingError(ValueError):
 
 
 # ---- seeds and intensities --------------------------------------------------------------------------
-def to_output_intensity(volume: np.ndarray, cfg) -> np.ndarray:
+def to_output_intensity(volume: np.ndarray, cfg: C.Config) -> np.ndarray:
     """Model range [-1, 1] → [0, 1] (unit), kept (model), or the fixed source range (source)."""
     kind = cfg.data.output_intensity
     if kind == "model":
@@ -119,7 +119,7 @@ class ModelGridMask:
         return volume.detach().cpu().float().numpy()
 
 
-def load_mask(path: Path, cfg) -> MaskGrid:
+def load_mask(path: Path, cfg: C.Config) -> MaskGrid:
     """Read a mask once: check it can condition the model (labels; any readable 3D volume for an
     unconditional model, which takes only its grid) and bring it to the model grid. DataError names the file."""
     info, voxels = read_volume(path, max_volume_bytes(cfg))
@@ -147,7 +147,8 @@ class Recipe:
     evaluations: int
 
 
-def resolve(cfg, sampler: str | None = None, steps: int | None = None, guidance: float | None = None) -> Recipe:
+def resolve(cfg: C.Config, sampler: str | None = None, steps: int | None = None,
+            guidance: float | None = None) -> Recipe:
     """The caller's settings, else the config's; steps else the objective's default (the one place:
     ``diffusion.default_steps``). SamplingError for a sampler or guidance the model cannot use."""
     diffusion = make_diffusion(cfg)
@@ -180,7 +181,7 @@ class Sampled:
 @torch.no_grad()
 def generate(
     model: Callable,
-    cfg,
+    cfg: C.Config,
     grids: Sequence[Grid],
     seeds: Sequence[int],
     *,
@@ -220,7 +221,7 @@ def generate(
             yield Sampled(start + offset, volume, grid.invert(volume, fill=-1.0))
 
 
-def write_volume(sampled: Sampled, grid: MaskGrid, cfg, path: Path) -> Path:
+def write_volume(sampled: Sampled, grid: MaskGrid, cfg: C.Config, path: Path) -> Path:
     """A sampled volume as NIfTI on its mask's grid (shape and affine), in the config's output intensity."""
     save_nifti(to_output_intensity(sampled.mask_grid, cfg), grid.original_affine, path)
     return path

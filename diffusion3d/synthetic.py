@@ -1,17 +1,24 @@
-"""Synthetic phantoms of the demo's kind: an ellipsoid head (label 1) holding an ellipsoid lesion (label 2).
+"""The one generator of synthetic data: the demo, the tests, the benchmarks and batch planning use it.
 
-Intensity follows the mask (background ~0.02, tissue ~0.5 with a smooth texture, a bright ~1.5-voxel skull
-rim at 0.75, lesion 0.9) plus Gaussian noise, in [0, 1]. A case is a function of its numpy Generator only:
-``data/make_demo.py`` writes the shipped demo from it and the quality benchmark its train and test sets.
+- ``make_case``: phantoms of the demo's kind, an ellipsoid head (label 1) holding an ellipsoid lesion
+  (label 2). Intensity follows the mask (background ~0.02, tissue ~0.5 with a smooth texture, a bright
+  ~1.5-voxel skull rim at 0.75, lesion 0.9) plus Gaussian noise, in [0, 1]. A case is a function of its numpy
+  Generator only: ``data/make_demo.py`` writes the shipped demo from it and the quality benchmark its sets.
+- ``nested_ellipsoids``: any labels and image channels, any size (label k nested inside label k-1), for
+  tests and the throughput benchmark; ``write_cases`` writes them as NIfTI folders.
+- ``SyntheticDataset``: items as the training cache holds them (image in [-1, 1], uint8 label map), no
+  files: the data of batch planning and of the step benchmarks.
 """
 
 from __future__ import annotations
 
 import gzip
+from collections.abc import Sequence
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
+import torch
 
 SPACING = 1.5
 
@@ -44,8 +51,13 @@ def smooth_noise(rng: np.random.Generator, size: int, sigma: float = 4.0) -> np.
     return field / np.abs(field).max()
 
 
-def make_case(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return (mask uint8, image float32) for one synthetic case."""
+def make_case(rng: np.random.Generator, size: int,
+              texture_rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Return (mask uint8, image float32) for one synthetic case.
+
+    The geometry is drawn from ``rng`` first; the texture and noise from ``texture_rng`` (default: ``rng``,
+    continuing). Another ``texture_rng`` gives a second real draw of the same mask (the data's own diversity).
+    """
     grid = np.stack(np.meshgrid(*(np.arange(size, dtype=np.float64),) * 3, indexing="ij"))
     c = (size - 1) / 2
     scale = size / 32
@@ -68,6 +80,7 @@ def make_case(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarr
     mask[(r_les <= 1) & (r_head <= 1)] = 2
 
     head = mask > 0
+    rng = rng if texture_rng is None else texture_rng
     image = np.full(mask.shape, 0.02)
     image[head] = 0.5 + 0.08 * smooth_noise(rng, size)[head]
     rim = head & (r_head > 1 - 1.5 / head_ax.min())  # ~1.5-voxel thick skull
@@ -86,3 +99,59 @@ def save(arr: np.ndarray, path: Path) -> None:
     img.set_qform(affine, code=1)
     img.set_sform(affine, code=1)
     path.write_bytes(gzip.compress(img.to_bytes(), compresslevel=9, mtime=0))
+
+
+# ---- any labels, any channels -------------------------------------------------------------------------
+def nested_ellipsoids(rng: np.random.Generator, size: int | Sequence[int], labels: Sequence[int] = (1, 2),
+                      channels: int = 1, noise: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
+    """(mask uint8 [D, H, W], image float32 [channels, D, H, W] in [0, 1]): label ``labels[k]`` fills an
+    ellipsoid 0.45^k times the size of the first, all around one jittered centre; intensity 0.02 outside,
+    0.1 + 0.8 * label / max(labels) inside, plus independent Gaussian noise per channel."""
+    shape = (size,) * 3 if isinstance(size, int) else tuple(size)
+    grid = np.meshgrid(*[np.arange(n, dtype=np.float32) for n in shape], indexing="ij")
+    centre = np.array(shape) / 2 + rng.uniform(-1, 1, 3)
+    mask = np.zeros(shape, np.uint8)
+    for level, label in enumerate(labels):
+        radii = np.array(shape) * rng.uniform(0.3, 0.42, 3) * 0.45 ** level
+        mask[sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii)) <= 1] = label
+    top = max(max(labels, default=1), 1)
+    clean = np.where(mask > 0, 0.1 + 0.8 * mask.astype(np.float32) / top, 0.02).astype(np.float32)
+    image = np.stack([clean + rng.normal(0, noise, shape).astype(np.float32) for _ in range(channels)])
+    return mask, np.clip(image, 0, 1).astype(np.float32)
+
+
+def write_cases(root: Path, size: int | Sequence[int], n: int, labels: Sequence[int] = (1, 2), channels: int = 1,
+                seed: int = 0, spacing: float = SPACING) -> tuple[list[Path], Path]:
+    """``n`` pairs ``case_XXX.nii.gz`` of ``nested_ellipsoids``: (one image folder per channel, mask folder)."""
+    image_dirs = [root / (f"images_{c}" if channels > 1 else "images") for c in range(channels)]
+    mask_dir = root / "masks"
+    for folder in [*image_dirs, mask_dir]:
+        folder.mkdir(parents=True, exist_ok=True)
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    for i in range(n):
+        mask, image = nested_ellipsoids(np.random.default_rng([seed, i]), size, labels, channels)
+        nib.save(nib.Nifti1Image(mask, affine), str(mask_dir / f"case_{i:03d}.nii.gz"))
+        for c, folder in enumerate(image_dirs):
+            nib.save(nib.Nifti1Image(image[c], affine), str(folder / f"case_{i:03d}.nii.gz"))
+    return image_dirs, mask_dir
+
+
+class SyntheticDataset(torch.utils.data.Dataset):
+    """``n`` seeded training items as the cache holds them: ``image`` [C, *size] in [-1, 1] and, with
+    ``labels``, ``mask`` [1, *size] uint8 (``nested_ellipsoids``). Needs no files."""
+
+    def __init__(self, size: Sequence[int], channels: int, labels: Sequence[int] | None, n: int = 2,
+                 seed: int = 0) -> None:
+        self.items = []
+        for i in range(n):
+            mask, image = nested_ellipsoids(np.random.default_rng([seed, i]), tuple(size), labels or (1,), channels)
+            item = {"image": torch.from_numpy(image * 2 - 1)}
+            if labels is not None:
+                item["mask"] = torch.from_numpy(mask)[None]
+            self.items.append(item)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.items[index]

@@ -73,7 +73,7 @@ class StepResult:
 class Trainer:
     def __init__(
         self,
-        cfg,
+        cfg: Config,
         dataset,
         device: torch.device | str = "cpu",
         results_dir: Path | None = None,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import sampling
+from .config import Config
 from .data import Case, MaskGrid, data_items, training_transforms
 from .monitor import Monitor, montage
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class Validator:
-    def __init__(self, cfg, cases: Sequence[Case], device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: Config, cases: Sequence[Case], device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         self.cases = list(cases)
         self.device = torch.device(device)

@@ -16,6 +16,7 @@ import numpy as np
 
 from diffusion3d import config as C
 from diffusion3d import configs
+from diffusion3d.synthetic import nested_ellipsoids
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -40,17 +41,9 @@ def write_nifti(path: Path, array: np.ndarray, affine: np.ndarray | None = None)
 
 
 def phantom(size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """An ellipsoid (1) holding a sphere (2); intensity follows the labels plus noise."""
-    rng = np.random.default_rng(seed)
-    grid = np.stack(np.meshgrid(*[np.arange(size)] * 3, indexing="ij"), -1).astype(np.float32)
-    centre = size / 2 + rng.uniform(-1, 1, 3)
-    radii = size * rng.uniform(0.3, 0.42, 3)
-    mask = np.zeros((size,) * 3, np.uint8)
-    mask[(((grid - centre) / radii) ** 2).sum(-1) <= 1] = 1
-    lesion = centre + rng.uniform(-1, 1, 3) * size * 0.1
-    mask[((grid - lesion) ** 2).sum(-1) <= (size * 0.12) ** 2] = 2
-    image = np.choose(mask, [0.02, 0.5, 0.9]).astype(np.float32) + rng.normal(0, 0.02, mask.shape).astype(np.float32)
-    return image, mask
+    """(image [D, H, W] in [0, 1], mask): an ellipsoid (1) holding a smaller one (2), ``synthetic.nested_ellipsoids``."""
+    mask, image = nested_ellipsoids(np.random.default_rng(seed), size)
+    return image[0], mask
 
 
 def make_dataset(root: Path, n: int = 6, size: int = 16) -> tuple[Path, Path]:
@@ -64,11 +57,8 @@ def make_dataset(root: Path, n: int = 6, size: int = 16) -> tuple[Path, Path]:
 
 
 def configure(cfg: C.Config, **values) -> C.Config:
-    """Set keys by name (as the command line does) and validate."""
-    for key, value in values.items():
-        C.set_key(cfg, key, value)
-    C.validate(cfg)
-    return cfg
+    """``cfg.override(**values)``: a copy with keys set by name (as the command line does), validated."""
+    return cfg.override(**values)
 
 
 def as_flags(cfg: C.Config) -> list[str]:

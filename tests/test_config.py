@@ -1,15 +1,20 @@
 """The config layer: sections, YAML, typed values and choices, --help, the checks of each section and the
-cross-section ones (objective and sampler must fit, guidance needs a condition), effective_batch."""
+cross-section ones (objective and sampler must fit, guidance needs a condition), effective_batch; each key's
+metadata as the one source of the resume-breaking keys, the cache key and the docs' key table;
+``Config.override``."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
 
+import monai
 import pytest
 
-from diffusion3d.commands import train as cli
+from diffusion3d import checkpoint, configs
 from diffusion3d import config as C
+from diffusion3d.commands import train as cli
+from diffusion3d.data import transform_key
 from tests.helpers import ROOT, configure
 
 
@@ -130,10 +135,10 @@ def test_choices_are_refused_naming_the_key_and_the_allowed_values(key, choices)
 
 def test_choice_on_the_command_line_exits_2_with_one_error_line(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.run(["--sampler", "euler_a"])
+        cli.run(["--sampler", "lms"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: sampler: 'euler_a' is not one of ddim, ddpm, dpmpp2m, euler, heun (see train.py --help)"]
+        "error: sampler: 'lms' is not one of ddim, ddpm, dpmpp2m, euler, heun, euler_a (see train.py --help)"]
 
 
 def test_sections_check_their_own_bounds():
@@ -208,3 +213,79 @@ def test_fixed_split_must_match_the_number_of_processes():
     assert str(e.value).startswith("effective_batch: 8 is not batch_size 2 × accum 2 × 1 process(es) = 4")
     with pytest.raises(C.ConfigError, match="effective_batch: 6 is not batch_size 2 × accum 2 × a number of processes"):
         configure(C.Config(), batch_size=2, gradient_accumulate_every=2, effective_batch=6)
+
+
+# ---- Config.override: copy, set keys by name, validate ----------------------------------------------
+def test_override_is_a_validated_copy():
+    base = C.load(configs.DEFAULT)
+    before = base.to_dict()
+    cfg = base.override({"lr": "1e-5", "accum": 3}, batch_size=4, spacing=None)
+    assert (cfg.train.lr, cfg.train.gradient_accumulate_every, cfg.train.batch_size) == (1e-5, 3, 4)
+    assert base.to_dict() == before and cfg.model is not base.model  # the original is untouched
+    assert base.override([("seed", 1), ("seed", 2)]).train.seed == 2  # pairs in order, the last wins
+    with pytest.raises(C.ConfigError, match="^unknown config key 'colour'$"):
+        base.override(colour="red")
+    with pytest.raises(C.ConfigError, match="^lr: expected a number, got 'fast'$"):
+        base.override(lr="fast")
+    with pytest.raises(C.ConfigError, match="^sampler: 'ddim' does not fit prediction 'flow'"):
+        base.override(sampler="ddim")  # each value is fine alone: the copy is validated as a whole
+    assert base.to_dict() == before
+
+
+# ---- the metadata: breaking keys, cache key ---------------------------------------------------------
+def test_resume_breaking_keys_come_from_the_metadata():
+    """checkpoint.BREAKING_KEYS is derived from key(..., breaks_resume=True): the same keys as the
+    hand-written table it replaced, plus the space keys."""
+    assert {s: set(k) for s, k in checkpoint.BREAKING_KEYS.items()} == {
+        "model": {"with_condition", "channels", "num_res_blocks", "attention_levels", "num_head_channels",
+                  "norm_num_groups"},
+        "diffusion": {"timesteps", "schedule", "prediction"},
+        "data": {"image_dir", "mask_dir", "manifest", "image_suffix", "mask_suffix", "labels", "orientation",
+                 "spacing", "intensity", "lower_percentile", "upper_percentile", "intensity_range", "image_size",
+                 "resize_mode", "num_val_cases", "space", "wavelet_levels"},
+        "train": {"seed"},
+    }
+    saved, current = C.Config().to_dict(), C.Config().to_dict()
+    current["model"]["channels"], current["train"]["lr"] = [8, 16], 0.5
+    assert checkpoint.config_differences(saved, current) == (
+        ["model.channels: [32, 64, 64] -> [8, 16]"], ["train.lr: 0.0001 -> 0.5"])
+
+
+def test_cache_keys_come_from_the_metadata_and_the_hash_is_unchanged(monkeypatch):
+    """transform_key hashes the keys with key(..., cache=True), in the layout it had before, so disk caches
+    built before keep their folder name (the values were computed with the code before the metadata)."""
+    assert C.keys_where("cache") == {
+        "data": ("orientation", "spacing", "intensity", "lower_percentile", "upper_percentile", "intensity_range",
+                 "image_size", "resize_mode"),
+        "model": ("with_condition",),
+    }
+    breaking = checkpoint.BREAKING_KEYS
+    assert all(set(names) <= set(breaking[s]) for s, names in C.keys_where("cache").items())  # new data: new run
+    monkeypatch.setattr(monai, "__version__", "1.6.1")
+    assert transform_key(C.Config()) == "577c0923f238"
+    assert transform_key(C.load(configs.DEFAULT)) == "c93b6cfda366"
+    changed = C.Config().override(with_condition=False, spacing=[1, 1.5, 2], orientation=None)
+    assert transform_key(changed) == "837c31bd3663"
+    assert transform_key(C.Config().override(lr=0.5, labels=[1], num_workers=2)) == "577c0923f238"
+    assert transform_key(C.Config().override(resize_mode="resize")) != "577c0923f238"
+
+
+# ---- the docs' key table -----------------------------------------------------------------------------
+def test_key_table_says_default_demo_value_resume_and_cache():
+    rows = {line.split(" | ")[1].strip("`"): line.split(" | ") for line in C.key_table_markdown().splitlines()[2:]}
+    assert set(rows) == set(C.key_index())
+    assert rows["prediction"][:5] == ["| diffusion", "`prediction`", "`eps`", "`flow`", "`eps`, `v`, `x0`, `flow`"]
+    assert rows["loss"][3] == "`l2`" and rows["schedule"][3] == ""  # the demo's value only where it differs
+    assert rows["image_size"][5:7] == ["yes", "yes"] and rows["seed"][5:7] == ["yes", ""]
+    assert rows["lr"][5:7] == ["", ""]
+    assert rows["batch_size"][4] == "integer ≥ 1 or `auto`"
+    assert rows["results_dir"][7] == "where checkpoints, logs and samples go (null: runs/\\<config name>) |"
+
+
+def test_docs_key_table_is_current():
+    path = ROOT / C.KEY_TABLE_DOC
+    text = path.read_text()
+    assert text == C.with_key_table(text, C.key_table_markdown(), str(path)), (
+        f"{C.KEY_TABLE_DOC} is out of date: regenerate it with `python -m diffusion3d.config {C.KEY_TABLE_DOC}`")
+    with pytest.raises(C.ConfigError, match="no key table markers"):
+        C.with_key_table("# no markers", "| table |")

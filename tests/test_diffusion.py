@@ -4,18 +4,23 @@ condition dropout and classifier-free guidance."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import typing
 
 import pytest
 import torch
 from torch import nn
 
+from diffusion3d import config as C
 from diffusion3d.diffusion import (
     FLOW_TIME_SCALE,
+    SAMPLERS,
     GaussianDiffusion,
     RectifiedFlow,
     make_betas,
     resolution_shift,
+    samplers_of,
     shift_time,
 )
 from diffusion3d.seeding import derive_seed
@@ -373,7 +378,7 @@ def test_flow_loss_is_zero_for_the_exact_velocity_of_a_point_mass():
     assert f.loss(lambda x_t, t, cond: torch.zeros_like(x_t), x0, None, [0, 1, 2]).min() > 0.1
 
 
-@pytest.mark.parametrize("sampler", ["euler", "heun"])
+@pytest.mark.parametrize("sampler", ["euler", "heun", "euler_a"])
 def test_a_perfect_velocity_field_transports_a_point_mass_exactly(sampler):
     c = -0.4
     exact = lambda x_t, t, cond: (x_t - c) / (t / FLOW_TIME_SCALE).view(-1, 1, 1, 1, 1)  # noqa: E731
@@ -382,7 +387,9 @@ def test_a_perfect_velocity_field_transports_a_point_mass_exactly(sampler):
         torch.testing.assert_close(x, torch.full_like(x, c), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("sampler,steps,tol", [("euler", 200, 0.02), ("heun", 20, 0.02)])
+# euler_a at 200 steps: std 0.293 (-2.4 %): ancestral steps put the posterior mean of x0 in place of x0
+# and so lose its posterior variance; the loss shrinks with the step size (10 steps: 0.219, Euler 0.246).
+@pytest.mark.parametrize("sampler,steps,tol", [("euler", 200, 0.02), ("heun", 20, 0.02), ("euler_a", 200, 0.03)])
 def test_flow_samplers_reach_the_data_distribution_with_the_exact_velocity(sampler, steps, tol):
     f = RectifiedFlow(shift=1.0, clip_x0=False)
     x = f.sample(flow_oracle(), SHAPE, sampler=sampler, steps=steps, seed=4)
@@ -401,6 +408,20 @@ def test_heun_beats_euler_at_equal_model_evaluations():
     # measured: euler-19 std 0.269, heun-10 0.284 (S = 0.3; the sample's own std is 0.298 at 1000 steps).
     # At 9 evaluations they tie: S = 0.3 makes the field stiff near the data end for a uniform grid.
     assert err["heun"] < 0.6 * err["euler"], err
+
+
+def test_ancestral_flow_step_without_its_noise_is_euler_and_with_it_is_seeded():
+    """With s = 0 (eta 0) the ancestral step is Euler exactly; with its noise two seeds differ, one repeats."""
+    f = RectifiedFlow(shift=2.0, clip_x0=False)
+    start, v = torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 4, 4, 4)
+    euler, ancestral = f.plan("euler", 4), f.plan("euler_a", 4)
+    ancestral.eta = 0.0
+    assert euler.times == ancestral.times and f.evaluations("euler_a", 4) == 4
+    for i in range(3):
+        torch.testing.assert_close(ancestral.step(i, start, v), euler.step(i, start, v), rtol=0, atol=1e-6)
+    a = f.sample(flow_oracle(), SHAPE, sampler="euler_a", steps=10, seed=1)
+    b = f.sample(flow_oracle(), SHAPE, sampler="euler_a", steps=10, seed=2)
+    assert not torch.equal(a, b) and torch.equal(a, f.sample(flow_oracle(), SHAPE, sampler="euler_a", steps=10, seed=1))
 
 
 def test_flow_sampling_counts_evaluations_and_is_seeded():
@@ -468,3 +489,94 @@ def test_guidance_scale_one_is_the_conditional_model_and_zero_the_unconditional(
     two = d.sample(model, shape, cond, sampler=sampler, steps=4, seed=1, guidance_scale=2.0)
     # guidance extrapolates away from the unconditional result, past the conditional one
     assert (two - uncond).mean() > (plain - uncond).mean() > 0.05
+
+
+# ---- the one sampling loop reproduces the pre-refactor samplers bitwise ------------------------------
+class PolyDenoiser(nn.Module):
+    """A tiny deterministic model of elementwise arithmetic only (no convolution, no reduction), so its
+    output does not depend on a CPU's kernel choices; it mixes x, t and both condition channels."""
+
+    def forward(self, x_t, t, cond):
+        tt = (t.float() / FLOW_TIME_SCALE).view(-1, 1, 1, 1, 1)
+        c = 0.0 if cond is None else 0.2 * cond[:, :1] - 0.1 * cond[:, 1:2]
+        return 0.8 * x_t - 0.3 * x_t * x_t * tt + c + 0.1 * tt
+
+
+def _digest(x: torch.Tensor) -> tuple[float, str]:
+    return float(x.double().sum()), hashlib.sha256(x.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+# Each case: (objective, sampling kwargs). Every sampler, stochastic and deterministic, clipped and not,
+# guided and not, one seed and per-volume seeds.
+BITWISE_CASES = {
+    "ddim": ("eps", {"sampler": "ddim", "steps": 5, "seed": 1}),
+    "ddim_eta_seeds": ("v", {"sampler": "ddim", "steps": 6, "eta": 0.5, "seeds": [3, 7]}),
+    "ddpm_strided_guided": ("eps", {"sampler": "ddpm", "steps": 6, "seed": 2, "guidance_scale": 2.0}),
+    "ddpm_all": ("x0", {"sampler": "ddpm", "steps": None, "seed": 3}),
+    "dpmpp2m_guided": ("v", {"sampler": "dpmpp2m", "steps": 6, "seed": 4, "guidance_scale": 1.5}),
+    "dpmpp2m_noclip": ("x0-noclip", {"sampler": "dpmpp2m", "steps": 7, "seeds": [5, 6]}),
+    "dpmpp2m_one": ("v-noclip", {"sampler": "dpmpp2m", "steps": 1, "seed": 1}),
+    "euler_guided": ("flow", {"sampler": "euler", "steps": 4, "seed": 1, "guidance_scale": 1.5}),
+    "euler_noclip": ("flow-noclip", {"sampler": "euler", "steps": 5, "seeds": [8, 9]}),
+    "heun": ("flow", {"sampler": "heun", "steps": 4, "seed": 2}),
+    "heun_noclip_guided": ("flow-noclip", {"sampler": "heun", "steps": 3, "seeds": [1, 2], "guidance_scale": 2.0}),
+    "heun_one": ("flow", {"sampler": "heun", "steps": 1, "seed": 3}),
+}
+# (sum, sha256 prefix) of each case's output, recorded by running the two sample() methods as they were before
+# the samplers became step classes around one loop (commit b48f963), torch 2.13.0+cpu on x86-64. A torch
+# build that draws other random numbers would change these without any change of ours.
+BITWISE_REFERENCE = {
+    "ddim": (7.159333199262619, 'ab2980859d8c7d38'),
+    "ddim_eta_seeds": (1.746548481285572, 'b752a1d2803cb452'),
+    "ddpm_all": (-2.1457483135163784, '8cb358545d557db2'),
+    "ddpm_strided_guided": (-1.0123363509774208, '1de09751c43f06a1'),
+    "dpmpp2m_guided": (-0.5013993354514241, '8abf8cd89f74573e'),
+    "dpmpp2m_noclip": (0.656028226017952, '77086ba1dfd7ac84'),
+    "dpmpp2m_one": (-7.465299927163869, 'cbe41b78a1831064'),
+    "euler_guided": (4.571371056139469, 'd919e86f83b4c1c6'),
+    "euler_noclip": (2.610705718398094, 'f2d71574ea2843fc'),
+    "heun": (1.055906917899847, '03a02eef35d5c5be'),
+    "heun_noclip_guided": (0.197037935256958, '18f0e4387dbfc939'),
+    "heun_one": (3.171353865414858, '55280e65a07e7aa4'),
+}
+
+
+def _objective(kind: str) -> GaussianDiffusion | RectifiedFlow:
+    clip = not kind.endswith("-noclip")
+    kind = kind.removesuffix("-noclip")
+    if kind == "flow":
+        return RectifiedFlow(shift=2.0, clip_x0=clip)
+    return GaussianDiffusion(20, "cosine", kind, clip_x0=clip)
+
+
+@pytest.mark.parametrize("case", sorted(BITWISE_CASES))
+def test_sampling_reproduces_the_pre_refactor_loops_bitwise(case):
+    kind, kwargs = BITWISE_CASES[case]
+    d, calls = _objective(kind), []
+    cond = torch.stack([torch.full((2, 2, 3, 2), v) for v in (1.0, -1.0)])  # two volumes, two label channels
+    x = d.sample(PolyDenoiser(), (2, 1, 2, 3, 2), cond, on_step=lambda: calls.append(1), **kwargs)
+    assert x.shape == (2, 1, 2, 3, 2) and x.dtype == torch.float32
+    assert len(calls) == d.evaluations(kwargs["sampler"], kwargs["steps"])
+    total, digest = _digest(x)
+    ref_total, ref_digest = BITWISE_REFERENCE[case]
+    assert digest == ref_digest, f"{case}: sum {total!r}, reference {ref_total!r}"
+
+
+# ---- the sampler registry ---------------------------------------------------------------------------
+def test_the_registry_is_the_one_list_of_samplers():
+    """The config's ``sampler`` choices, each objective's samplers and the config's fit check all come from
+    ``SAMPLERS``; every sampler runs with its default steps."""
+    choices = typing.get_args(typing.get_type_hints(C.DiffusionConfig)["sampler"])
+    assert set(choices) == set(SAMPLERS) and len(choices) == len(SAMPLERS)
+    gauss, flow = GaussianDiffusion(20), RectifiedFlow()
+    assert gauss.samplers == samplers_of("gaussian") == ("ddim", "ddpm", "dpmpp2m")
+    assert flow.samplers == samplers_of("flow") == ("euler", "heun", "euler_a")
+    assert set(gauss.samplers) | set(flow.samplers) == set(SAMPLERS)
+    for name, spec in SAMPLERS.items():
+        d = gauss if spec.objective == "gaussian" else flow
+        assert d.default_steps(name) == (spec.default_steps or d.timesteps)
+        prediction = "flow" if d is flow else "eps"
+        C.DiffusionConfig(prediction=prediction, sampler=name).validate()  # fits its own objective
+        with pytest.raises(C.ConfigError, match=f"sampler: {name!r} does not fit"):
+            C.DiffusionConfig(prediction="eps" if d is flow else "flow", sampler=name).validate()
+    assert gauss.evaluations("ddpm", None) == 20 and flow.evaluations("heun", None) == 2 * 25 - 1

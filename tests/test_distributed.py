@@ -165,6 +165,102 @@ def test_device_per_rank(monkeypatch):
         distributed.resolve_device("cuda", 0, 2)
 
 
+# ---- torchrun's error file: written so that torchrun never reads it torn ------------------------------
+class _Exited(BaseException):
+    """Stands in for os._exit, so abort() returns to the test instead of ending pytest."""
+
+
+def _abort(exc: Exception, monkeypatch, tracer=None) -> None:
+    """abort(exc) as fail_fast calls it (inside the except block), with ``tracer`` on for its duration."""
+    def fake_exit(code: int) -> None:
+        raise _Exited(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    previous = sys.gettrace()
+    try:
+        raise exc
+    except Exception as e:
+        sys.settrace(tracer)
+        try:
+            distributed.abort(e)
+        except _Exited:
+            pass
+        finally:
+            sys.settrace(previous)
+
+
+def _torchrun_reads(path: Path) -> dict:
+    """The error file as torchrun's agent reads a failed rank's (it raises on a torn file and dies)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(path)).error_file_data
+
+
+def test_error_file_is_never_seen_incomplete_while_it_is_written(tmp_path, monkeypatch):
+    """torchrun reads the error file of a rank it has just SIGTERMed, which can be mid-write.
+
+    Deterministic version of that race: the agent reads the file after every line the writer executes
+    (sys.settrace), i.e. at every point where a SIGTERM could end the rank. Each read must find no file
+    or the complete report; torch's ErrorHandler.record_exception leaves the file empty after its open().
+    """
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    reads, torn = 0, []
+
+    def agent_reads(frame, event, arg):
+        nonlocal reads
+        if event == "line":
+            reads += 1
+            try:
+                _torchrun_reads(path)
+            except Exception as e:  # what crashed torchrun's own report in CI
+                torn.append(f"{type(e).__name__}: {e}")
+        return agent_reads
+
+    _abort(RuntimeError(FAIL_MESSAGE), monkeypatch, agent_reads)
+    assert reads > 0
+    assert not torn, f"torchrun read a torn error file {len(torn)} times, first: {torn[0]}"
+    # the same JSON as record_exception: torchrun's summary shows the rank's message and traceback
+    data = _torchrun_reads(path)
+    assert data["message"]["message"] == f"RuntimeError: {FAIL_MESSAGE}"
+    assert FAIL_MESSAGE in data["message"]["extraInfo"]["py_callstack"]
+    assert int(data["message"]["extraInfo"]["timestamp"]) > 0
+    assert sorted(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_two_failures_writing_at_once_leave_a_well_formed_error_file(tmp_path, monkeypatch):
+    """A second failure reported while the first is mid-write: the file holds one whole report.
+
+    The second report is longer, so torch's open-truncate-write would leave the first report's bytes
+    followed by the second's tail (JSONDecodeError "Extra data").
+    """
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    second = RuntimeError(f"rank zero also failed, and with a much longer message: {'x' * 200}")
+    started = False
+
+    def second_failure_mid_write(frame, event, arg):
+        nonlocal started
+        # the first line the first writer runs inside json (serialising/writing its report)
+        if event == "line" and not started and os.sep + "json" + os.sep in frame.f_code.co_filename:
+            started = True
+            _abort(second, monkeypatch)
+        return second_failure_mid_write
+
+    _abort(RuntimeError(FAIL_MESSAGE), monkeypatch, second_failure_mid_write)
+    assert started
+    message = _torchrun_reads(path)["message"]["message"]
+    assert message in (f"RuntimeError: {FAIL_MESSAGE}", f"RuntimeError: {second}")
+    assert sorted(tmp_path.iterdir()) == [path]
+
+
+def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    _abort(RuntimeError(FAIL_MESSAGE), monkeypatch)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- 2 processes under torchrun ---------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
@@ -256,6 +352,16 @@ def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path):
 
 
 @pytest.mark.slow
+def test_both_ranks_failing_at_once_end_the_job_with_a_message(tmp_path):
+    """Both ranks raise together: torchrun SIGTERMs whichever is still writing and reads its error file."""
+    proc = _torchrun("fail_both", tmp_path)
+    assert proc.returncode != 0
+    assert "JSONDecodeError" not in proc.stdout, proc.stdout[-4000:]  # torchrun's own report did not crash
+    summary = proc.stdout[proc.stdout.find("ChildFailedError"):]
+    assert "ChildFailedError" in proc.stdout and FAIL_MESSAGE in summary, proc.stdout[-4000:]
+
+
+@pytest.mark.slow
 def test_train_py_under_torchrun_then_resumed_in_one_process(tmp_path):
     """The command line itself under torchrun: rank 0 alone writes; a plain run resumes at the global position."""
     tiny_run = tiny(tmp_path, sampling_steps=2, batch_size=1)
@@ -331,7 +437,14 @@ def _worker_fail(job: Path) -> None:
     distributed.cleanup()
 
 
+def _worker_fail_both(job: Path) -> None:
+    distributed.setup("cpu")
+    with distributed.fail_fast():
+        distributed.barrier()  # leave together, so that both failures race torchrun's read of the files
+        raise RuntimeError(FAIL_MESSAGE)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
-    {"train": _worker_train, "fail": _worker_fail}[sys.argv[1]](Path(sys.argv[2]))
+    {"train": _worker_train, "fail": _worker_fail, "fail_both": _worker_fail_both}[sys.argv[1]](Path(sys.argv[2]))

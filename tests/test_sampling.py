@@ -13,7 +13,7 @@ from diffusion3d import sampling
 from diffusion3d import space as S
 from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover
-from diffusion3d.diffusion import SAMPLER_STEPS, GaussianDiffusion, RectifiedFlow
+from diffusion3d.diffusion import SAMPLERS, GaussianDiffusion, RectifiedFlow
 from diffusion3d.model import build_model
 from tests.helpers import tiny_config, write_nifti
 
@@ -125,9 +125,10 @@ def test_steps_and_sampler_are_resolved_in_one_place(tmp_path):
     assert e.value.key == "sampler"
     # without a config the objective's table decides (the benchmark's defaults)
     gauss, flow = GaussianDiffusion.from_config(cfg), RectifiedFlow.from_config(tiny_config(tmp_path / "f", prediction="flow", sampler="euler"))
-    assert [gauss.default_steps(s) for s in ("ddim", "ddpm", "dpmpp2m")] == [SAMPLER_STEPS["ddim"], 50, SAMPLER_STEPS["dpmpp2m"]]
-    assert flow.default_steps("heun") == SAMPLER_STEPS["heun"] and flow.default_steps("heun", 5) == 5
-    assert gauss.evaluations("dpmpp2m", None) == SAMPLER_STEPS["dpmpp2m"]
+    defaults = {name: spec.default_steps for name, spec in SAMPLERS.items()}
+    assert [gauss.default_steps(s) for s in ("ddim", "ddpm", "dpmpp2m")] == [defaults["ddim"], 50, defaults["dpmpp2m"]]
+    assert flow.default_steps("heun") == defaults["heun"] and flow.default_steps("heun", 5) == 5
+    assert gauss.evaluations("dpmpp2m", None) == defaults["dpmpp2m"]
     with pytest.raises(ValueError, match="unknown sampler"):
         gauss.default_steps("euler")
 

@@ -34,18 +34,17 @@ from pathlib import Path
 from typing import Any
 
 import monai
-import nibabel as nib
-import numpy as np
 import torch
 
 from .. import config as C
 from .. import configs
-from .common import InputError, OneLineParser, configure_logging, run_command, write_json
+from .common import (InputError, OneLineParser, comma_list, configure_logging, device_flag, int_list, run_command,
+                     write_json)
 from ..data import SampleStream, build_dataset, discover, make_loader
 from ..diffusion import SAMPLERS, make_diffusion
 from ..monitor import current_rss_bytes, peak_rss_bytes
-from ..distributed import resolve_device
-from ..memory import SyntheticCases, estimate_step, flop_counter, measure_step, step_memory, table_row
+from ..memory import estimate_step, flop_counter, measure_step, step_memory, synthetic_cases, table_row
+from ..synthetic import write_cases
 from ..model import build_model, count_parameters
 from ..precision import autocast_factory
 from ..sampling import ModelGridMask, generate
@@ -125,51 +124,20 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-# ---- synthetic data --------------------------------------------------------------------------------
-def write_synthetic_cases(root: Path, size: int, n: int, labels: Sequence[int], image_channels: int = 1,
-                          seed: int = 0) -> tuple[list[Path], Path]:
-    """``n`` NIfTI pairs at ``size``³: nested ellipsoids labelled ``labels`` in order, intensities in [0, 1]."""
-    rng = np.random.default_rng(seed)
-    image_dirs = [root / f"images_{c}" for c in range(image_channels)]
-    mask_dir = root / "masks"
-    for folder in [*image_dirs, mask_dir]:
-        folder.mkdir(parents=True, exist_ok=True)
-    axis = np.arange(size, dtype=np.float32)
-    grid = np.meshgrid(axis, axis, axis, indexing="ij")
-    affine = np.diag([1.5, 1.5, 1.5, 1.0])
-    for i in range(n):
-        centre = size / 2 + rng.uniform(-1, 1, 3)
-        mask = np.zeros((size,) * 3, np.uint8)
-        for level, label in enumerate(labels):
-            radii = size * rng.uniform(0.3, 0.42, 3) * (0.45**level)
-            inside = sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii)) <= 1
-            mask[inside] = label
-        nib.save(nib.Nifti1Image(mask, affine), str(mask_dir / f"case_{i:03d}.nii.gz"))
-        for folder in image_dirs:
-            image = (mask.astype(np.float32) / max(max(labels, default=1), 1) * 0.8 + 0.1
-                     + rng.normal(0, 0.02, mask.shape).astype(np.float32)).clip(0, 1)
-            nib.save(nib.Nifti1Image(image.astype(np.float32), affine), str(folder / f"case_{i:03d}.nii.gz"))
-    return image_dirs, mask_dir
-
-
 def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], precision: str = "fp32",
                  checkpointing: bool = False, batch_size: int = 1, accum: int = 1, cache: str = "memory") -> C.Config:
     """The base config's model and diffusion on the synthetic data at ``size``³."""
-    cfg = C.from_dict(base.to_dict())
     image_dirs, mask_dir = data
-    d, t = cfg.data, cfg.train
-    d.image_dir = str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs]
-    d.mask_dir, d.manifest, d.image_suffix, d.mask_suffix = str(mask_dir), None, "", ""
-    d.image_size, d.spacing, d.intensity, d.intensity_range = [size] * 3, None, "range", [0.0, 1.0]
-    d.cache, d.num_val_cases, d.unknown_labels = cache, 0, "error"
-    cfg.model.activation_checkpointing = checkpointing
-    t.precision, t.batch_size, t.gradient_accumulate_every = precision, batch_size, accum
-    t.results_dir, t.quiet, t.compile, t.warmup_steps, t.train_num_steps = None, True, False, 0, 10**9
     try:
-        C.validate(cfg)
+        return base.override(
+            image_dir=str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs],
+            mask_dir=str(mask_dir), manifest=None, image_suffix="", mask_suffix="", image_size=[size] * 3,
+            spacing=None, intensity="range", intensity_range=[0.0, 1.0], cache=cache, num_val_cases=0,
+            unknown_labels="error", activation_checkpointing=checkpointing, precision=precision,
+            batch_size=batch_size, gradient_accumulate_every=accum, results_dir=None, quiet=True, compile=False,
+            warmup_steps=0, train_num_steps=10**9)
     except C.ConfigError as e:
         raise InputError(f"size {size}: {e}") from None
-    return cfg
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------------
@@ -185,7 +153,7 @@ def count_train_flops(trainer: Trainer) -> int:
 
 
 # ---- training --------------------------------------------------------------------------------------
-def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool) -> dict[str, Any]:
+def measure_training(cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool) -> dict[str, Any]:
     """Median optimizer-step time of a real Trainer on the config's data, its memory and FLOPs."""
     trainer = Trainer(cfg, build_dataset(discover(cfg), cfg, None), device, None, [])
     t = cfg.train
@@ -230,7 +198,8 @@ def measure_training(cfg, device: torch.device, warmup: int, repeats: int, estim
     return out
 
 
-def run_isolated(cfg, device: torch.device, warmup: int, repeats: int, estimate: bool, workdir: Path) -> dict[str, Any]:
+def run_isolated(cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool,
+                 workdir: Path) -> dict[str, Any]:
     """measure_training in a fresh interpreter, so its peak RSS belongs to this configuration alone."""
     spec = workdir / f"spec_{time.monotonic_ns()}.json"
     out = spec.with_suffix(".out.json")
@@ -273,7 +242,7 @@ class _TimedModel(torch.nn.Module):
         return out
 
 
-def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
+def measure_sampling(cfg: C.Config, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
                      repeats: int) -> dict[str, Any]:
     """Seconds per volume (batch 1) for ``steps`` sampling steps (None: the sampler's default, 0: every
     training timestep); with ``max_steps`` < steps, that many steps run and the time is scaled by
@@ -284,7 +253,7 @@ def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None,
     configured = cfg.diffusion.sampling_steps if sampler == cfg.diffusion.sampler else None  # the config's own
     steps = diffusion.timesteps if steps == 0 else steps or diffusion.default_steps(sampler, configured)
     run_steps = min(steps, max_steps) if max_steps else steps
-    item = SyntheticCases(cfg, n=1, seed=cfg.train.seed)[0]
+    item = synthetic_cases(cfg, n=1, seed=cfg.train.seed)[0]
     grid = ModelGridMask(item["mask"] if cfg.model.with_condition else torch.zeros(1, *cfg.data.image_size))
     space = make_space(cfg)  # the warm-up evaluation sees what generate's do: the space's shapes
     shape = (1, *space.latent_shape(cfg.image_channels, cfg.data.image_size))
@@ -313,7 +282,7 @@ def measure_sampling(cfg, device: torch.device, sampler: str, steps: int | None,
 
 
 # ---- loader ----------------------------------------------------------------------------------------
-def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
+def measure_loader(cfg: C.Config, warmup: int, repeats: int) -> dict[str, Any]:
     """Seconds per micro-batch out of the training loader; cache: memory decodes once up front (timed as
     cache_build_s), cache: none decodes and transforms every volume of every batch."""
     cases = discover(cfg)
@@ -331,7 +300,7 @@ def measure_loader(cfg, warmup: int, repeats: int) -> dict[str, Any]:
             "cache_build_s": build, "batch_size": cfg.train.batch_size, "cases": len(cases)}
 
 
-def measure_startup(cfg, workers: int) -> dict[str, Any]:
+def measure_startup(cfg: C.Config, workers: int) -> dict[str, Any]:
     """Start-up before the first step: discovery + validation (every file decoded and checked, in ``workers``
     processes) and the memory cache build (decode + transforms, ``max(workers, 1)`` threads), in seconds."""
     from ..data import validate
@@ -349,17 +318,11 @@ def measure_startup(cfg, workers: int) -> dict[str, Any]:
 
 # ---- the command line ------------------------------------------------------------------------------
 def _int_list(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InputError(f"--{name}: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise InputError(f"--{name}: expected positive integers, got {text!r}")
-    return values
+    return int_list(text, f"--{name}", at_least=1)
 
 
 def _sampling_steps(text: str | None) -> dict[str, int | None]:
-    steps: dict[str, int | None] = dict.fromkeys(SAMPLERS)  # None: the sampler's default (diffusion.SAMPLER_STEPS)
+    steps: dict[str, int | None] = dict.fromkeys(SAMPLERS)  # None: the sampler's default (diffusion.SAMPLERS)
     for part in (text or "").split(","):
         if not part.strip():
             continue
@@ -389,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "python -m diffusion3d bench --parts quality --help)")
     p.add_argument("--loader", action="store_true", help="also measure the loader (cached vs uncached)")
     p.add_argument("--sampling", default="auto", help="samplers to time (auto: all of the config's objective), or none")
-    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's sampling_steps for its sampler, else diffusion.SAMPLER_STEPS)")
+    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's "
+                   "sampling_steps for its sampler, else its default in diffusion.SAMPLERS)")
     p.add_argument("--sampling_max_steps", type=int, default=None,
                    help="run at most this many steps and scale the time up (reported as extrapolated)")
     p.add_argument("--sampling_sizes", default=None, help="sizes for sampling (default: the smallest of --sizes)")
@@ -447,20 +411,9 @@ class Plan:
     table: TableSpec | None = None
 
 
-def _comma_list(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def _resolve_device(text: str) -> torch.device:
-    try:
-        return resolve_device(text)
-    except (ValueError, RuntimeError) as e:
-        raise InputError(f"--device: {e}") from None
-
-
 def _resolve_precisions(text: str, device: torch.device) -> list[str]:
     supported = supported_precisions(device)
-    precisions = supported if text == "auto" else _comma_list(text)
+    precisions = supported if text == "auto" else comma_list(text)
     for p in precisions:
         if p not in supported:
             raise InputError(f"--precisions: {p} is not supported on {device.type} (supported: {', '.join(supported)})")
@@ -468,11 +421,11 @@ def _resolve_precisions(text: str, device: torch.device) -> list[str]:
 
 
 def _resolve_samplers(text: str, base: C.Config) -> list[str]:
-    """auto: every sampler of the config's objective (flow: euler, heun; Gaussian: ddpm, ddim, dpmpp2m)."""
+    """auto: every sampler of the config's objective (``diffusion.SAMPLERS``)."""
     fitting = make_diffusion(base).samplers
     if text == "auto":
         return list(fitting)
-    samplers = [] if text == "none" else _comma_list(text)
+    samplers = [] if text == "none" else comma_list(text)
     for s in samplers:
         if s not in SAMPLERS:
             raise InputError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(fitting)}, auto or none)")
@@ -483,7 +436,7 @@ def _resolve_samplers(text: str, base: C.Config) -> list[str]:
 
 
 def _resolve_parts(args: argparse.Namespace) -> set[str]:
-    parts = set(_comma_list(args.parts)) | ({"loader"} if args.loader else set())
+    parts = set(comma_list(args.parts)) | ({"loader"} if args.loader else set())
     if parts - set(PARTS):
         raise InputError(f"--parts: unknown part(s) {', '.join(sorted(parts - set(PARTS)))}")
     return parts
@@ -502,7 +455,7 @@ def resolve_args(args: argparse.Namespace) -> Plan:
     """Check every input before anything runs; returns the resolved plan."""
     base = C.load(configs.find(args.config))  # a ConfigError is bad input: one line, exit 2
     C.validate(base)
-    device = _resolve_device(args.device)
+    device = device_flag(args.device)
     _check_counts(args)
     sizes = _int_list(args.sizes, "sizes")
     return Plan(
@@ -533,7 +486,7 @@ class TableSpec:
 
 def _resolve_table(args: argparse.Namespace) -> TableSpec:
     sizes = []
-    for item in _comma_list(args.table_sizes):
+    for item in comma_list(args.table_sizes):
         grid, _, channels = item.partition(":")
         try:
             sides = [int(v) for v in grid.split("x")]
@@ -545,8 +498,8 @@ def _resolve_table(args: argparse.Namespace) -> TableSpec:
             raise InputError(f"--table_sizes: expected three positive sides and channels, got {item!r}")
         sizes.append((sides, count))
     known = {"pixel": ("pixel", 1), "wavelet1": ("wavelet", 1), "wavelet2": ("wavelet", 2)}
-    spaces = _comma_list(args.table_spaces)
-    precisions = _comma_list(args.table_precisions)
+    spaces = comma_list(args.table_spaces)
+    precisions = comma_list(args.table_precisions)
     for name in spaces:
         if name not in known:
             raise InputError(f"--table_spaces: unknown space {name!r} (choose from {', '.join(known)})")
@@ -564,8 +517,8 @@ class _Data:
 
     def __call__(self, size: int) -> tuple[list[Path], Path]:
         if size not in self.sets:
-            self.sets[size] = write_synthetic_cases(self.work / f"data_{size}", size, 4, self.base.data.labels,
-                                                    self.base.image_channels)
+            self.sets[size] = write_cases(self.work / f"data_{size}", size, 4, self.base.data.labels,
+                                     self.base.image_channels)
         return self.sets[size]
 
 
@@ -610,8 +563,8 @@ def _bench_loader(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any
 def _bench_startup(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
     """Validation + cache of --startup_cases synthetic cases at --startup_size³, per worker count."""
     size, rows = args.startup_size, []
-    folders = write_synthetic_cases(data.work / "startup", size, args.startup_cases, plan.base.data.labels,
-                                    plan.base.image_channels)
+    folders = write_cases(data.work / "startup", size, args.startup_cases, plan.base.data.labels,
+                      plan.base.image_channels)
     for workers in _int_list(args.startup_workers, "startup_workers"):
         progress(f"start-up {args.startup_cases} cases at {size}³, {workers} workers")
         rows.append({"size": size, **measure_startup(bench_config(plan.base, size, folders), workers)})
@@ -757,6 +710,9 @@ def _split_quality(argv: list[str]) -> list[str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from . import accumulation  # --parts accumulation: the loss-division questions (docs/accumulation.md)
+    if (rest := accumulation.split_argv(argv)) is not None:
+        return accumulation.main(rest)
     rest = _split_quality(argv)
     if rest is not None:
         from . import quality

@@ -47,6 +47,36 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+# ---- flags every command parses alike ---------------------------------------------------------------------
+def comma_list(text: str) -> list[str]:
+    """``"a, b,,c"`` → ``["a", "b", "c"]``."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def int_list(text: str, flag: str, *, distinct: bool = False, at_least: int | None = None) -> list[int]:
+    """Comma-separated integers for ``flag``; InputError (one line, exit 2) for anything else, an empty
+    list, repeated values (``distinct``) or a value below ``at_least``."""
+    try:
+        values = [int(v) for v in comma_list(text)]
+    except ValueError:
+        raise InputError(f"{flag}: expected integers separated by commas, got {text!r}") from None
+    if not values or (distinct and len(set(values)) != len(values)):
+        raise InputError(f"{flag}: expected {'distinct ' if distinct else ''}integers, got {text!r}")
+    if at_least is not None and min(values) < at_least:
+        raise InputError(f"{flag}: expected integers of at least {at_least}, got {text!r}")
+    return values
+
+
+def device_flag(request: str, flag: str = "--device"):
+    """``--device auto|cpu|cuda|cuda:N`` as a torch.device; InputError for one this machine lacks."""
+    from ..distributed import resolve_device
+
+    try:
+        return resolve_device(request)
+    except (ValueError, RuntimeError) as e:
+        raise InputError(f"{flag}: {e}") from None
+
+
 def configure_logging(level: int = logging.INFO) -> None:
     """The commands' log format on stderr (stdout stays for results)."""
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -20,9 +20,15 @@ Metrics (MONAI's where they exist):
   diverse). Window 7 and as many of MONAI's five scale weights (renormalised) as the smallest side allows:
   32³ → 3 scales, 128³ → 5. Under 14 voxels on a side MS-SSIM is not defined here and is left empty, with
   a note;
+- with ``--second_images DIR`` (a second real image of each mask, ``<case>.nii.gz``, e.g. a test-retest scan,
+  scaled like the first): ``model_div`` (1 − mean pairwise SSIM of the samples), ``data_div`` (1 − SSIM
+  between the two real images), ``div_ratio`` = model_div / data_div over the masks that have both (1: as
+  varied as the data; below 1: regression toward the mean), ``ssim_twin`` and ``sharpness_twin`` (the second
+  image against the first: the reference for the samples' SSIM and sharpness). Without it the summary's
+  ``diversity_note`` says the samples' diversity has no reference;
 - per mask label (``--labels``, default: every label in the mask, background 0 included): mean and standard
   deviation of intensity inside the label, in the real image and in the sample.
-- with masks, mask fidelity and sharpness (``diffusion3d.metrics``, the same as the quality benchmark's):
+- with masks, mask fidelity and sharpness (``diffusion3d.evaluation.metrics``, the same as the quality benchmark's):
   ``head_dice`` (Otsu threshold of the sample vs. all labels), ``lesion_dice`` (the extreme class of a
   three-class Otsu inside the head vs. the last label), ``truth_*_dice`` (the same on the real image: the
   ceiling), ``contrast_ratio`` (lesion / rest-of-head contrast, sample over real), ``abs_mean_error_max``
@@ -50,7 +56,7 @@ from typing import Any
 
 from .. import storage
 from . import evaluate_tools as evaluate_cli
-from .common import InputError, OneLineParser, configure_logging, run_command, write_csv, write_json
+from .common import InputError, OneLineParser, configure_logging, int_list, run_command, write_csv, write_json
 from .evaluate_tools import SUBCOMMANDS, add_intensity_flags, scaling_from
 from ..evaluation.report import Report
 from ..evaluation.scores import evaluate, flat_rows, pair
@@ -60,15 +66,7 @@ OUTPUTS = ("metrics.csv", "cases.csv", "metrics.json", "report.html")
 
 
 def parse_labels(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        labels = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InputError(f"--labels: expected integers separated by commas, got {text!r}") from None
-    if not labels or len(set(labels)) != len(labels):
-        raise InputError(f"--labels: expected distinct integers, got {text!r}")
-    return labels
+    return None if text is None else int_list(text, "--labels", distinct=True)
 
 
 def write_outputs(result: dict[str, Any], out: Path, step: int, report: Report | None = None) -> list[Path]:
@@ -77,7 +75,8 @@ def write_outputs(result: dict[str, Any], out: Path, step: int, report: Report |
     out.mkdir(parents=True, exist_ok=True)
     header, flat = flat_rows(result["samples"])
     write_csv(out / "metrics.csv", flat, header)
-    case_header = ["case", "n_samples", "ms_ssim", "ms_ssim_pairs", "ms_ssim_note", "image", "mask"]
+    case_header = ["case", "n_samples", "ms_ssim", "ms_ssim_pairs", "ms_ssim_note", "model_div", "data_div", "div_ratio",
+                   "ssim_twin", "sharpness_twin", "image", "mask", "second_image"]
     write_csv(out / "cases.csv", result["cases"], case_header)
     write_json(out / "metrics.json", result)
     if report is not None:
@@ -105,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", required=True, type=Path, help="folder of real images <case>.nii.gz")
     p.add_argument("--masks", type=Path, default=None, help="folder of masks <case>.nii.gz (per-label statistics)")
     p.add_argument("--out", required=True, type=Path, help="output folder: metrics.csv, cases.csv, metrics.json, tb/")
+    p.add_argument("--second_images", type=Path, default=None, metavar="DIR",
+                   help="a second real image of each mask, <case>.nii.gz (test-retest scans): the samples' diversity "
+                   "is then reported against the data's own (model_div, data_div, div_ratio)")
     p.add_argument("--labels", default=None, help="e.g. 0,1,2 (default: every label in each mask)")
     add_intensity_flags(p)
     p.add_argument("--step", type=int, default=0, help="TensorBoard step of these results (e.g. the checkpoint's)")
@@ -121,7 +123,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     if args.report_cases < 0:
         raise InputError(f"--report_cases: expected a number >= 0, got {args.report_cases}")
     storage.check_target(args.out, OUTPUTS, args.overwrite)  # before the work; writes nothing
-    cases = pair(args.samples, args.images, args.masks)
+    cases = pair(args.samples, args.images, args.masks, args.second_images)
     report = Report(max_cases=args.report_cases) if args.report_cases else None
     result = evaluate(cases, labels, scaling.real_range, scaling.real_percentiles, scaling.sample_range, report)
     result["settings"]["step"] = args.step
@@ -140,6 +142,12 @@ def evaluate_and_report(argv: list[str] | None = None) -> int:
     print(f"{s['n_samples']} samples of {s['n_cases']} masks: SSIM {fmt(s['ssim'])}, PSNR {fmt(s['psnr'])} dB"
           f"{' (+%d identical)' % s['psnr_infinite'] if s['psnr_infinite'] else ''}, MAE {fmt(s['mae'])}, "
           f"MS-SSIM among samples {fmt(s['ms_ssim'])}")
+    if s["div_ratio"] is not None:
+        print(f"diversity: samples {fmt(s['model_div'])} (1 - SSIM between samples of a mask), data "
+              f"{fmt(s['data_div'])} (1 - SSIM between its two real images), ratio {fmt(s['div_ratio'])} "
+              f"over {s['div_ratio_cases']} masks")
+    else:
+        print(f"diversity: {s['diversity_note']}")
     return 0
 
 

@@ -25,7 +25,8 @@ from ..evaluation import fid as dist
 from ..evaluation import downstream as down
 from ..data import scan_folder
 from ..evaluation.inputs import Scaling
-from .common import InputError, OneLineParser, configure_logging, run_command, write_csv, write_json
+from .common import (InputError, OneLineParser, comma_list, configure_logging, device_flag, int_list, run_command,
+                     write_csv, write_json)
 
 log = logging.getLogger("diffusion3d.evaluate")
 
@@ -54,25 +55,6 @@ def scaling_from(args: argparse.Namespace) -> Scaling:
     if not 0 <= percentiles[0] < percentiles[1] <= 100:
         raise InputError(f"--real_percentiles: expected 0 <= low < high <= 100, got {percentiles}")
     return Scaling(real_range, percentiles, check_pair(args.sample_range, "--sample_range"))
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InputError(f"{flag}: expected integers separated by commas, got {text!r}") from None
-    if not values or len(set(values)) != len(values):
-        raise InputError(f"{flag}: expected distinct integers, got {text!r}")
-    return values
-
-
-def _device(request: str):
-    from ..distributed import resolve_device
-
-    try:
-        return resolve_device(request)
-    except ValueError as e:
-        raise InputError(f"--device: {e}") from None
 
 
 def write_locked(out: Path, outputs: Sequence[str], overwrite: bool, what: str, write: Callable[[], None]) -> None:
@@ -122,11 +104,11 @@ def downstream_parser() -> argparse.ArgumentParser:
 
 
 def downstream_settings(args: argparse.Namespace) -> down.Settings:
-    arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    arms = tuple(comma_list(args.arms))
     unknown = [a for a in arms if a not in down.ARMS]
     if unknown or not arms or len(set(arms)) != len(arms):
         raise InputError(f"--arms: expected distinct names among {', '.join(down.ARMS)}, got {args.arms!r}")
-    channels = tuple(_ints(args.channels, "--channels"))
+    channels = tuple(int_list(args.channels, "--channels", distinct=True))
     if len(channels) < 2 or min(channels) < 1:
         raise InputError(f"--channels: expected at least two positive widths, got {args.channels!r}")
     for flag, value in (("--steps", args.steps), ("--batch_size", args.batch_size)):
@@ -138,7 +120,7 @@ def downstream_settings(args: argparse.Namespace) -> down.Settings:
     if args.patch is not None and any(p < multiple or p % multiple for p in args.patch):
         raise InputError(f"--patch: every side must be a positive multiple of {multiple} with {len(channels)} levels, "
                          f"got {' '.join(map(str, args.patch))}")
-    labels = _ints(args.labels, "--labels") if args.labels else None
+    labels = int_list(args.labels, "--labels", distinct=True) if args.labels else None
     if labels is not None and not [v for v in labels if v != 0]:
         raise InputError("--labels: name at least one label other than 0 (the background)")
     return down.Settings(network=args.network, channels=channels, steps=args.steps, batch_size=args.batch_size,
@@ -150,7 +132,7 @@ def run_downstream(argv: Sequence[str]) -> dict[str, Any]:
     args = downstream_parser().parse_args(list(argv))
     settings = downstream_settings(args)
     scaling = scaling_from(args)
-    device = _device(args.device)
+    device = device_flag(args.device)
     storage.check_target(args.out, DOWNSTREAM_OUTPUTS, args.overwrite)
     if args.samples is None and set(settings.arms) - {"real"}:
         raise InputError("--samples: needed for the synthetic and mixed arms (or use --arms real)")
@@ -161,7 +143,7 @@ def run_downstream(argv: Sequence[str]) -> dict[str, Any]:
     if args.splits is not None:
         splits = down.read_splits(args.splits, real, synthetic)
     elif args.test_cases is not None:
-        splits = down.chosen_splits(real, synthetic, [c.strip() for c in args.test_cases.split(",") if c.strip()], args.seed)
+        splits = down.chosen_splits(real, synthetic, comma_list(args.test_cases), args.seed)
     else:
         num_test = args.num_test if args.num_test is not None else max(1, round(len(real) / 4))
         splits = down.make_splits(real, synthetic, num_test, args.seed)
@@ -235,7 +217,7 @@ def run_distribution(argv: Sequence[str]) -> dict[str, Any]:
     if args.feature_weights is None:
         raise InputError(NO_WEIGHTS)
     scaling = scaling_from(args)
-    device = _device(args.device)
+    device = device_flag(args.device)
     storage.check_target(args.out, DISTRIBUTION_OUTPUTS, args.overwrite)
     files = {"real": sorted(scan_folder(args.real, "").values()), "synthetic": sorted(scan_folder(args.samples, "").values())}
     for kind, paths in files.items():

@@ -2,7 +2,7 @@
 
 Two sets, each written afresh with its own seeds (the test masks are never trained on):
 
-- ``phantom``: the demo's kind (``diffusion3d.phantoms``), train seeds (seed, 1, i), test seeds (seed, 2, i);
+- ``phantom``: the demo's kind (``diffusion3d.synthetic.make_case``), train seeds (seed, 1, i), test seeds (seed, 2, i);
 - ``realistic``: smooth random deformations (a small rotation/scale plus a smooth displacement field) and a
   smooth multiplicative bias field of the real whole-head pair in ``../shared/data/whole_head`` (Med-DDPM's
   sample_3), deformed at 128³ and brought to the model grid by 4× area averaging (masks by majority vote).
@@ -10,8 +10,11 @@ Two sets, each written afresh with its own seeds (the test masks are never train
 
 At every ``eval_every`` optimizer steps (and at the end) the EMA model samples every test mask
 ``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance]``) and the samples are
-scored against the truth by ``diffusion3d.metrics`` (per-label mean error, Otsu Dice of head and lesion,
-contrast ratio, SSIM, PSNR, sharpness ratio, diversity). NFE counts network evaluations per sample: a guided
+scored against the truth by ``diffusion3d.evaluation.metrics`` (per-label mean error, Otsu Dice of head and lesion,
+contrast ratio, SSIM, PSNR, sharpness ratio, diversity). The phantom set also draws each test mask a second
+time (same mask, independent texture and noise): the samples' diversity is reported beside the data's own
+(``model_div``, ``data_div``, ``div_ratio``) and their SSIM and sharpness beside the twin's (``metrics.
+reference_diversity``); the realistic set has no such twin (n/a). NFE counts network evaluations per sample: a guided
 call evaluates the condition and the null condition, so it counts twice. Seconds are those of the training steps alone
 (wall clock and process CPU time), so a row reads "after this much training, samples are this good".
 
@@ -60,8 +63,10 @@ TABLE_KEYS = (  # column header, result key, format
     ("head", "head_dice", ".3f"), ("lesion", "lesion_dice", ".3f"), ("|Δμ|max", "abs_mean_error_max", ".3f"),
     ("Δμ bg", "mean_error/0", "+.3f"), ("Δμ head", "mean_error/1", "+.3f"), ("Δμ les", "mean_error/2", "+.3f"),
     ("contr", "contrast_ratio", ".2f"), ("SSIM", "ssim", ".3f"), ("PSNR", "psnr", ".1f"),
-    ("sharp", "sharpness_ratio", ".2f"), ("div", "diversity", ".3f"),
+    ("sharp", "sharpness_ratio", ".2f"), ("model_div", "model_div", ".3f"), ("data_div", "data_div", ".3f"),
+    ("div_ratio", "div_ratio", ".2f"), ("SSIM twin", "ssim_twin", ".3f"), ("sharp twin", "sharpness_twin", ".2f"),
 )
+NO_TWIN = {"data_div", "div_ratio", "ssim_twin", "sharpness_twin"}  # "n/a" where a set has no second real draw
 
 
 QualityError = InputError  # bad benchmark input (a flag, a config key, a missing file): one line, exit 2
@@ -73,6 +78,7 @@ class TestCase:
     name: str
     mask: np.ndarray  # [D, H, W] labels on the model grid
     truth: np.ndarray  # [D, H, W] in [0, 1]
+    twin: np.ndarray | None = None  # a second, independent real draw of the same mask (the data's own diversity)
 
 
 def _affine(size: int, spacing: float) -> np.ndarray:
@@ -81,7 +87,12 @@ def _affine(size: int, spacing: float) -> np.ndarray:
     return affine
 
 
-def write_phantom_set(root: Path, n: int, seed: int, split: int, size: int) -> list[TestCase]:
+TWIN_SPLIT = 3  # texture and noise of the twins: seeds (seed, 3, i), independent of both splits
+
+
+def write_phantom_set(root: Path, n: int, seed: int, split: int, size: int, twins: bool = False) -> list[TestCase]:
+    """``n`` phantoms seeded (seed, split, i); with ``twins`` also a second draw of each mask (same geometry,
+    texture and noise from (seed, TWIN_SPLIT, i)) in ``root/twins``: what another real volume of it looks like."""
     (root / "images").mkdir(parents=True, exist_ok=True)
     (root / "masks").mkdir(parents=True, exist_ok=True)
     cases = []
@@ -90,7 +101,14 @@ def write_phantom_set(root: Path, n: int, seed: int, split: int, size: int) -> l
         name = f"case_{i:03d}"
         save_phantom(mask, root / "masks" / f"{name}.nii.gz")
         save_phantom(image, root / "images" / f"{name}.nii.gz")
-        cases.append(TestCase(name, mask, image))
+        twin = None
+        if twins:
+            twin_mask, twin = make_case(np.random.default_rng([seed, split, i]), size,
+                                        texture_rng=np.random.default_rng([seed, TWIN_SPLIT, i]))
+            assert np.array_equal(twin_mask, mask)  # the geometry is drawn before the texture
+            (root / "twins").mkdir(exist_ok=True)
+            save_phantom(twin, root / "twins" / f"{name}.nii.gz")
+        cases.append(TestCase(name, mask, image, twin))
     return cases
 
 
@@ -164,8 +182,10 @@ def write_set(kind: str, root: Path, n_train: int, n_test: int, seed: int, size:
     """Write ``root/train`` (files the trainer reads) and ``root/test``; returns the test cases."""
     if kind == "phantom":
         write_phantom_set(root / "train", n_train, seed, 1, size)
-        return write_phantom_set(root / "test", n_test, seed, 2, size)
+        return write_phantom_set(root / "test", n_test, seed, 2, size, twins=True)
     if kind == "realistic":
+        # no twins: every case is one real head deformed, so a second draw of the same mask would be the same
+        # texture again (or, deformed again, another mask); the data's diversity is not defined here (n/a)
         write_realistic_set(root / "train", n_train, seed, 1, size, source, labels)
         return write_realistic_set(root / "test", n_test, seed, 2, size, source, labels)
     raise QualityError(f"--sets: unknown set {kind!r} (choose from {', '.join(SETS)})")
@@ -201,39 +221,42 @@ def parse_sampling(text: str | None, cfg: C.Config) -> list[SamplingSpec]:
 
 
 def bench_config(base: C.Config, train_root: Path, overrides: Sequence[str]) -> C.Config:
-    cfg = C.from_dict(base.to_dict(), "config")
+    """The base config with the ``key=value`` overrides, then on the benchmark's training data."""
+    pairs = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise QualityError(f"--set: expected key=value, got {item!r}")
-        try:
-            C.set_key(cfg, key.strip(), C.parse_value(value))
-        except C.ConfigError as e:
-            raise QualityError(f"--set: {e}") from None
-    for key, value in dict(image_dir=str(train_root / "images"), mask_dir=str(train_root / "masks"), manifest=None,
-                           image_suffix="", mask_suffix="", intensity="range", intensity_range=[0.0, 1.0],
-                           num_val_cases=0, cache="memory", quiet=True, orientation="RAS", spacing=None).items():
-        C.set_key(cfg, key, value)
+        pairs.append((key.strip(), C.parse_value(value)))
     try:
-        C.validate(cfg)
-    except C.ConfigError as e:
+        return base.override(pairs, image_dir=str(train_root / "images"), mask_dir=str(train_root / "masks"),
+                             manifest=None, image_suffix="", mask_suffix="", intensity="range",
+                             intensity_range=[0.0, 1.0], num_val_cases=0, cache="memory", quiet=True,
+                             orientation="RAS", spacing=None)
+    except C.ConfigError as e:  # names the key, whether --set gave it or the combination is invalid
         raise QualityError(f"config: {e}") from None
-    return cfg
 
 
 def score_samples(samples: np.ndarray, cases: Sequence[TestCase], labels: Sequence[int]) -> dict[str, float]:
-    """Mean over test masks (and their samples) of every metric; diversity per mask, then averaged."""
-    per_sample, diversities = [], []
+    """Mean over test masks (and their samples) of every metric; diversity per mask, then averaged.
+
+    ``div_ratio`` is the ratio of the means (mean model_div / mean data_div over the masks), which a mask
+    with a nearly identical pair of real draws cannot blow up."""
+    per_sample, diversities, references = [], [], []
     per_mask = samples.shape[0] // len(cases)
     for c, case in enumerate(cases):
         group = [samples[c * per_mask + j] for j in range(per_mask)]
         for s in group:
             per_sample.append(metrics.score_sample(s, case.truth, case.mask, labels))
         if per_mask > 1:
-            diversities.append(metrics.diversity(group))
+            diversities.append(metrics.mean_pairwise_ssim(group))
+            references.append(metrics.reference_diversity(group, case.truth, case.twin, case.mask))
     keys = per_sample[0].keys()
     summary = {k: _nanmean([r[k] for r in per_sample]) for k in keys}
     summary["diversity"] = _nanmean(diversities) if diversities else float("nan")
+    for key in ("model_div", "data_div", "ssim_twin", "sharpness_twin"):
+        summary[key] = _nanmean([r[key] for r in references]) if references else float("nan")
+    summary["div_ratio"] = metrics.diversity_ratio(summary["model_div"], summary["data_div"])
     return summary
 
 
@@ -261,6 +284,8 @@ def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCa
         affine = _affine(unit.shape[-1], SPACING)
         for c, case in enumerate(cases):
             save_nifti(case.truth[None], affine, save_dir / f"{case.name}_truth.nii.gz")
+            if case.twin is not None:
+                save_nifti(case.twin[None], affine, save_dir / f"{case.name}_twin.nii.gz")
             for j in range(samples_per_mask):
                 save_nifti(unit[c * samples_per_mask + j][None], affine, save_dir / f"{case.name}_sample{j}.nii.gz")
     scores = score_samples(unit, cases, labels)
@@ -300,16 +325,20 @@ def train_and_score(cfg: C.Config, cases: Sequence[TestCase], steps: int, eval_a
 
 
 # ---- output ----------------------------------------------------------------------------------------
-def _cell(value: Any, spec: str) -> str:
+def _cell(value: Any, spec: str, missing: str = "–") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
+        return missing
     return format(value, spec)
 
 
 def format_row(row: dict[str, Any]) -> str:
     cells = [f"{row.get('run', '')}", row["set"] if "set" in row else "", f"{row['step']}", f"{row['train_s']:.0f}",
              row["sampling"], f"{row['evaluations']}"]
-    cells += [_cell(row.get(key), spec) for _, key, spec in TABLE_KEYS]
+    row = dict(row)
+    if "model_div" not in row and isinstance(row.get("diversity"), float):  # a report from before model_div
+        row["model_div"] = 1.0 - row["diversity"]
+    twinless = row.get("set") == "realistic" or "data_div" not in row  # no second real draw: n/a, not missing
+    cells += [_cell(row.get(key), spec, "n/a" if key in NO_TWIN and twinless else "–") for _, key, spec in TABLE_KEYS]
     return " | ".join(cells)
 
 

@@ -26,9 +26,10 @@ from tqdm.auto import tqdm
 
 from .. import checkpoint as ckpt
 from .. import sampling, storage
-from .common import InputError, OneLineParser, configure_logging, run_command
+from ..config import Config
+from .common import InputError, OneLineParser, configure_logging, device_flag, run_command
 from ..data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
-from ..sampling import SAMPLERS
+from ..diffusion import SAMPLERS, samplers_of
 
 log = logging.getLogger("diffusion3d.sample")  # not __name__: "__main__" under python -m
 
@@ -76,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--masks", required=True, type=Path, help="a mask file or a folder of masks (.nii/.nii.gz)")
     p.add_argument("--out", required=True, type=Path, help="output folder (created)")
     p.add_argument("--n", type=_positive, default=1, help="samples per mask (default 1)")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help="default: the checkpoint config's; ddim|ddpm|dpmpp2m for Gaussian diffusion, euler|heun for flow")
+    p.add_argument("--sampler", choices=list(SAMPLERS), default=None,
+                   help=f"default: the checkpoint config's; {'|'.join(samplers_of('gaussian'))} for Gaussian "
+                   f"diffusion, {'|'.join(samplers_of('flow'))} for flow")
     p.add_argument("--steps", type=_positive, default=None,
                    help="sampling steps (default: the config's sampling_steps; ddpm: all training steps)")
     p.add_argument("--guidance_scale", type=_non_negative, default=None,
@@ -115,15 +117,10 @@ def plan(masks: list[tuple[str, Path]], n: int, out: Path, overwrite: bool) -> l
 
 def run(argv: list[str] | None = None) -> list[Path]:
     """Parse, check everything, then sample and write; returns the files written."""
-    from ..distributed import resolve_device
-
     args = build_parser().parse_args(argv)
     if args.quiet:
         logging.getLogger("diffusion3d").setLevel(logging.WARNING)
-    try:
-        device = resolve_device(args.device)
-    except (ValueError, RuntimeError) as e:
-        raise InputError(f"--device: {e}") from None
+    device = device_flag(args.device)
     try:
         model, cfg, state = sampling.load_for_sampling(*ckpt.find_checkpoint(args.checkpoint), args.weights, device)
     except ckpt.CheckpointError as e:
@@ -145,7 +142,8 @@ def run(argv: list[str] | None = None) -> list[Path]:
         lock.release()
 
 
-def _sample(model, cfg, jobs: list[Job], grids: dict[str, MaskGrid], recipe: sampling.Recipe, args, device) -> list[Path]:
+def _sample(model, cfg: Config, jobs: list[Job], grids: dict[str, MaskGrid], recipe: sampling.Recipe, args,
+            device) -> list[Path]:
     batches = -(-len(jobs) // args.batch_size)
     bar = tqdm(total=batches * recipe.evaluations, desc=f"sampling ({recipe.sampler})", unit="step",
                disable=args.quiet, dynamic_ncols=True)

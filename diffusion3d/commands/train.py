@@ -1,6 +1,6 @@
 """The training command line: parse, check everything, build, ``Trainer(...).train()``.
 
-Only this layer prints and picks exit codes (``_cli.run_command``): 2 for bad input (config, flags, data,
+Only this layer prints and picks exit codes (``commands.common.run_command``): 2 for bad input (config, flags, data,
 checkpoints, a results folder another run holds), 1 for a fault (a run stopped by non-finite losses;
 storage: no space, I/O error, read-only folder), 130 for a second Ctrl-C.
 """

@@ -12,6 +12,7 @@ from typing import Any
 import monai
 from monai.data import CacheDataset, Dataset, PersistentDataset
 
+from ..config import Config, keys_where
 from .discovery import Case
 from .transforms import training_transforms
 
@@ -27,15 +28,16 @@ def data_items(cases: Sequence[Case], with_mask: bool) -> list[dict[str, Any]]:
     return items
 
 
-def transform_key(cfg) -> str:
-    """A short hash of every setting the cached tensors depend on: a changed setting gets a fresh cache."""
-    d = cfg.data
-    relevant = {
-        "with_condition": cfg.model.with_condition,
-        "transforms": [d.orientation, d.spacing, d.intensity, d.lower_percentile, d.upper_percentile,
-                       d.intensity_range, d.image_size, d.resize_mode],
-        "monai": monai.__version__,
-    }
+def transform_key(cfg: Config) -> str:
+    """A short hash of every setting the cached tensors depend on (the keys whose metadata says ``cache``,
+    and MONAI's version): a changed setting gets a fresh cache."""
+    keys = keys_where("cache")
+    # data keys in one list in field order, the others by name: the layout the hash had before the metadata
+    # named these keys, so caches already on disk stay valid
+    relevant: dict[str, Any] = {name: getattr(getattr(cfg, section), name)
+                                for section, names in keys.items() if section != "data" for name in names}
+    relevant["transforms"] = [getattr(cfg.data, name) for name in keys.get("data", ())]
+    relevant["monai"] = monai.__version__
     return hashlib.sha1(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -46,7 +48,7 @@ def _item_hash(item: dict[str, Any]) -> bytes:
     return hashlib.sha1(json.dumps(stats).encode()).hexdigest().encode()
 
 
-def build_dataset(cases: Sequence[Case], cfg, cache_dir: Path | None = None):
+def build_dataset(cases: Sequence[Case], cfg: Config, cache_dir: Path | None = None):
     """Decoded and transformed once: in memory, on disk, or (cache: none) every time.
 
     Items keep their metadata (MetaTensors); the loader hands plain tensors to the model.

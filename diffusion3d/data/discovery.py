@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import Config
 from .errors import DataError, raise_all
 from .nifti import NIFTI_SUFFIXES
 
@@ -48,7 +49,7 @@ def scan_folder(folder: Path, suffix: str) -> dict[str, Path]:
     return found
 
 
-def discover(cfg) -> list[Case]:
+def discover(cfg: Config) -> list[Case]:
     """Pair images and masks by case name (folders) or read them from a CSV manifest.
 
     Also the one place that decides the model's image channels (one per image folder or manifest image
@@ -66,7 +67,7 @@ def discover(cfg) -> list[Case]:
     return cases
 
 
-def _record_image_channels(cfg, found: int, source) -> None:
+def _record_image_channels(cfg: Config, found: int, source) -> None:
     if cfg.data.image_channels not in (None, found):
         raise DataError(f"{source}: {found} image channel(s) per case, but image_channels is set to "
                         f"{cfg.data.image_channels}")

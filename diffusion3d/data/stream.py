@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..config import Config
 from ..seeding import SALT_PERMUTATION, derive_seed
 from .transforms import plain
 
@@ -72,7 +73,8 @@ class _MicroBatches(torch.utils.data.Sampler):
             micro += 1
 
 
-def make_loader(dataset, stream: SampleStream, batch_size: int, cfg, pin_memory: bool, rank: int = 0, world_size: int = 1):
+def make_loader(dataset, stream: SampleStream, batch_size: int, cfg: Config, pin_memory: bool, rank: int = 0,
+                world_size: int = 1):
     """An endless loader of micro-batches starting at ``stream.samples_seen``; the caller advances the stream."""
     view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed))
     workers = cfg.data.num_workers

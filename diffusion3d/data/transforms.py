@@ -25,11 +25,12 @@ from monai.transforms import (
     Transform,
 )
 
+from ..config import Config
 from .nifti import read_volume
 from .validation import max_volume_bytes
 
 
-def _spatial(cfg, keys: list[str], modes: list[str], pad_values: list[float]) -> list:
+def _spatial(cfg: Config, keys: list[str], modes: list[str], pad_values: list[float]) -> list:
     """Orientation, optional resampling and the model-grid fit, per key with its interpolation mode."""
     d = cfg.data
     out: list = []
@@ -48,7 +49,7 @@ def _spatial(cfg, keys: list[str], modes: list[str], pad_values: list[float]) ->
     return out
 
 
-def _intensity(cfg) -> list:
+def _intensity(cfg: Config) -> list:
     d = cfg.data
     if d.intensity == "percentile":
         return [
@@ -62,7 +63,7 @@ def _intensity(cfg) -> list:
     return []
 
 
-def training_transforms(cfg, keep_meta: bool = False) -> Compose:
+def training_transforms(cfg: Config, keep_meta: bool = False) -> Compose:
     """Deterministic, so everything is cached: load → channel-first → [-1, 1] → orient → (spacing) → grid.
 
     ``keep_meta`` leaves MetaTensors (the file's affine, spacing and shape, and every applied operation)
@@ -130,7 +131,8 @@ class MaskGrid:
     float reference only its metadata is kept: the inverse needs the applied operations, not the voxels.
     """
 
-    def __init__(self, path: str | Path, cfg, voxels: np.ndarray | None = None, affine: np.ndarray | None = None) -> None:
+    def __init__(self, path: str | Path, cfg: Config, voxels: np.ndarray | None = None,
+                 affine: np.ndarray | None = None) -> None:
         self.path = Path(path)
         self.cfg = cfg
         if voxels is None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import Config
 from .discovery import Case
 from .errors import DataError, DataProblems
 from .nifti import VolumeInfo, read_volume
@@ -17,7 +18,7 @@ from .nifti import VolumeInfo, read_volume
 log = logging.getLogger(__name__)
 
 
-def max_volume_bytes(cfg) -> int | None:
+def max_volume_bytes(cfg: Config) -> int | None:
     gb = getattr(cfg.data, "max_volume_gb", 2.0)
     if gb is None:
         return None
@@ -69,7 +70,7 @@ def _check_image(path: Path, max_bytes: int | None) -> VolumeInfo:
     return info
 
 
-def check_case(case: Case, cfg) -> dict[str, Any]:
+def check_case(case: Case, cfg: Config) -> dict[str, Any]:
     """Validate one case: every file of it, each file read once. Raises DataError naming the file (one bad
     file) or DataProblems (several). Returns its summary (and warnings)."""
     d = cfg.data
@@ -133,7 +134,7 @@ def _pool(workers: int):
     return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
 
 
-def validate(cases: Sequence[Case], cfg, workers: int | None = None) -> list[dict[str, Any]]:
+def validate(cases: Sequence[Case], cfg: Config, workers: int | None = None) -> list[dict[str, Any]]:
     """Validate every case and report every bad one: DataProblems lists one line per bad file, then
     "k of n cases are bad". Warnings are logged and returned in the summaries.
 

@@ -8,7 +8,7 @@ by Dice per label on a held-out split of real pairs that none of them saw.
 
 Splits are drawn once from a seed and written down (``splits.json``); a run given that file repeats them.
 Synthetic samples generated from a test case's mask are left out of training: their masks are the test
-labels. Volumes are mapped to [0, 1] like every evaluation (``evalinputs.Scaling``). Training takes random
+labels. Volumes are mapped to [0, 1] like every evaluation (``evaluation.inputs.Scaling``). Training takes random
 patches (half of them centred on a labelled voxel, so small lesions are seen), testing slides a window of
 the same size over the whole volume. No augmentation. On the CPU the numbers repeat exactly for the same
 command (same thread count).

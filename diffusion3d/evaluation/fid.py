@@ -6,7 +6,7 @@ MedicalNet's, and by default layer3/layer4 dilated instead of strided, as Medica
 global-average-pooled: 2048 numbers per volume for ResNet-50. The weights come from a local
 file the user supplies (a MedicalNet checkpoint: ``{"state_dict": {"module.conv1.weight": ...}}``, or a plain
 state dict); nothing is downloaded. Each volume is first mapped to [0, 1] like every evaluation
-(``evalinputs.Scaling``), then, by default, normalised as MedicalNet was trained: mean 0 and standard
+(``evaluation.inputs.Scaling``), then, by default, normalised as MedicalNet was trained: mean 0 and standard
 deviation 1 over its non-zero voxels (MedicalNet also fills the background with noise; here it stays 0, so
 the features are deterministic).
 

@@ -14,7 +14,11 @@ scale, so a sample with a grey-noise background can still correlate at 0.95.
   gradient magnitude inside the head, sample over truth (blur < 1, noise > 1). MONAI's SSIM is computed on
   the valid part of its window (no padding): at 32³ with the 11-voxel window a 5-voxel border, mostly
   background, is left out, so SSIM must be read together with the background's mean error.
-- **diversity**: the mean SSIM between the samples of one mask (lower = more diverse).
+- **diversity**: the mean SSIM between the samples of one mask (lower = more diverse); against its
+  reference (``reference_diversity``): ``model_div`` = 1 − that SSIM, ``data_div`` = 1 − SSIM between two
+  real draws of the same mask, and ``div_ratio`` = model_div / data_div (1: as varied as the data; below 1:
+  samples regress toward the conditional mean). The twin's SSIM and sharpness against the truth are the
+  reference for the samples' own: with one truth and one twin, ``ssim_twin`` = 1 − ``data_div``.
 """
 
 from __future__ import annotations
@@ -157,7 +161,7 @@ def realism(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray) -> dict[str
     }
 
 
-def diversity(samples: Sequence[np.ndarray]) -> float:
+def mean_pairwise_ssim(samples: Sequence[np.ndarray]) -> float:
     """Mean SSIM over all pairs of samples of one mask (lower = more diverse); NaN for fewer than 2."""
     if len(samples) < 2:
         return float("nan")
@@ -167,3 +171,35 @@ def diversity(samples: Sequence[np.ndarray]) -> float:
 def score_sample(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels: Sequence[int] = (1, 2)) -> dict[str, float]:
     """mask_fidelity and realism in one flat dict of floats."""
     return {**mask_fidelity(sample, truth, mask, labels), **realism(sample, truth, mask)}
+
+
+def model_diversity(samples: Sequence[np.ndarray]) -> float:
+    """1 − mean pairwise SSIM of the samples of one mask (0: identical); NaN for fewer than 2."""
+    return 1.0 - mean_pairwise_ssim(samples)
+
+
+def data_diversity(truth: np.ndarray, twin: np.ndarray) -> float:
+    """1 − SSIM between two real draws of one mask: how much the data itself varies given the mask."""
+    _check(truth, twin)
+    return 1.0 - ssim(truth, twin)
+
+
+def diversity_ratio(model_div: float, data_div: float) -> float:
+    """model_div / data_div; NaN where undefined (no twin, or two identical real draws)."""
+    return _ratio(model_div, data_div)
+
+
+def reference_diversity(samples: Sequence[np.ndarray], truth: np.ndarray, twin: np.ndarray | None,
+                        mask: np.ndarray) -> dict[str, float]:
+    """The samples' diversity beside the data's, for one mask: model_div, data_div, div_ratio, and the
+    twin's SSIM and sharpness ratio against the truth (NaN for the twin's keys where there is no twin)."""
+    out = {"model_div": model_diversity(samples), "data_div": float("nan"), "ssim_twin": float("nan"),
+           "sharpness_twin": float("nan")}
+    if twin is not None:
+        _check(truth, twin, mask)
+        out["data_div"] = data_diversity(truth, twin)
+        out["ssim_twin"] = 1.0 - out["data_div"]
+        head = mask > 0
+        out["sharpness_twin"] = _ratio(sharpness(twin, head), sharpness(truth, head))
+    out["div_ratio"] = diversity_ratio(out["model_div"], out["data_div"])
+    return out

@@ -1,5 +1,8 @@
 """Per-image scores: each sample against the real image of its mask (SSIM, PSNR, MAE, mask fidelity,
 sharpness, per-label intensity), the samples of one mask against each other (MS-SSIM), and the summary.
+Where a second real image of a mask is given (a test-retest scan), the samples' diversity is read against
+the data's own (``metrics.reference_diversity``: model_div, data_div, div_ratio); where none is, the summary
+says so (``diversity_note``).
 
 Library code: pairs files, reads volumes and raises ``DataError`` naming the file; the ``evaluate`` command
 parses the flags and writes the tables (``diffusion3d.commands.evaluate``, whose docstring gives the metrics).
@@ -19,8 +22,8 @@ import torch
 from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
 from ..data import DataError, read_volume
-from .inputs import check_folder, find_partner, group_samples, real_bounds, to_unit
-from .metrics import mask_fidelity, sharpness, ssim_window
+from .inputs import check_folder, find_case_file, find_partner, group_samples, real_bounds, to_unit
+from .metrics import diversity_ratio, mask_fidelity, reference_diversity, sharpness, ssim_window
 from .report import Report
 
 log = logging.getLogger("diffusion3d.evaluate")
@@ -35,18 +38,22 @@ class CaseFiles:
     image: Path
     mask: Path | None
     samples: list[tuple[int, Path]] = field(default_factory=list)
+    second: Path | None = None  # a second real image of the same mask (test-retest), if the user has one
 
 
-def pair(samples_dir: Path, images_dir: Path, masks_dir: Path | None) -> list[CaseFiles]:
-    """Group ``<case>_sample<i>`` files by case and find each case's image (and mask); DataError otherwise."""
-    for folder in [samples_dir, images_dir, *([masks_dir] if masks_dir else [])]:
+def pair(samples_dir: Path, images_dir: Path, masks_dir: Path | None,
+         second_dir: Path | None = None) -> list[CaseFiles]:
+    """Group ``<case>_sample<i>`` files by case and find each case's image (and mask); DataError otherwise.
+    A case may lack its second image (``second_dir/<case>.nii.gz``): it is then left out of the data's diversity."""
+    for folder in [samples_dir, images_dir, *([masks_dir] if masks_dir else []), *([second_dir] if second_dir else [])]:
         check_folder(folder)
     cases = []
     for case, samples in group_samples(samples_dir).items():
         first = samples[0][1]
         image = find_partner(first, images_dir, case, "real image")
         mask = find_partner(first, masks_dir, case, "mask") if masks_dir is not None else None
-        cases.append(CaseFiles(case, image, mask, samples))
+        second = find_case_file(second_dir, case) if second_dir is not None else None
+        cases.append(CaseFiles(case, image, mask, samples, second))
     return cases
 
 
@@ -72,7 +79,7 @@ def per_sample_metrics(sample: torch.Tensor, real: torch.Tensor) -> dict[str, fl
     }
 
 
-def diversity(samples: list[torch.Tensor]) -> tuple[float | None, int, str]:
+def ms_ssim_among(samples: list[torch.Tensor]) -> tuple[float | None, int, str]:
     """(mean pairwise MS-SSIM, number of pairs, note). None when there are < 2 samples or they are too small."""
     if len(samples) < 2:
         return None, 0, "needs at least 2 samples"
@@ -143,15 +150,65 @@ def evaluate(
                 row["labels"] = stats
                 row.update(fidelity(sample[0, 0].numpy(), real[0, 0].numpy(), mask_np, case_labels))
             rows.append(row)
-        ms, n_pairs, note = diversity(units)
+        ms, n_pairs, note = ms_ssim_among(units)
         if report is not None:
             report.add_case(c.case, real[0, 0].numpy(), [u[0, 0].numpy() for u in units], mask_np)
         per_case.append({"case": c.case, "image": str(c.image), "mask": str(c.mask) if c.mask else None,
-                         "n_samples": len(units), "ms_ssim": ms, "ms_ssim_pairs": n_pairs, "ms_ssim_note": note})
+                         "n_samples": len(units), "ms_ssim": ms, "ms_ssim_pairs": n_pairs, "ms_ssim_note": note,
+                         **against_second(c, real, real_np.shape, mask_np, units, real_range, real_percentiles)})
     return {"settings": {"real_range": real_range, "real_percentiles": list(real_percentiles),
                          "sample_range": list(sample_range), "labels": labels, "data_range": 1.0,
                          "ms_ssim_kernel": MS_SSIM_KERNEL},
             "summary": summarize(rows, per_case), "cases": per_case, "samples": rows}
+
+
+def against_second(c: CaseFiles, real: torch.Tensor, shape: tuple[int, ...], mask: np.ndarray | None,
+                   units: list[torch.Tensor], real_range: tuple[float, float] | None,
+                   real_percentiles: tuple[float, float]) -> dict[str, Any]:
+    """model_div (1 − mean pairwise SSIM of the samples), and with a second real image data_div (1 − its SSIM
+    against the first, scaled to [0, 1] the same way), div_ratio, ssim_twin and sharpness_twin."""
+    second = None
+    if c.second is not None:
+        _, second_np = read_volume(c.second)
+        if second_np.shape != shape:
+            raise DataError(f"{c.second}: second image shape {second_np.shape} differs from the image's {shape}")
+        second = to_unit(second_np, *real_bounds(second_np, real_range, real_percentiles))[0, 0].numpy()
+    head = mask if mask is not None else np.ones(shape, np.uint8)  # sharpness over the head, or everywhere
+    samples = [u[0, 0].numpy() for u in units]
+    ref = reference_diversity(samples, real[0, 0].numpy(), second, head)
+    finite = {k: (v if math.isfinite(v) else None) for k, v in ref.items()}  # JSON has no NaN: null
+    return {"second_image": str(c.second) if c.second else None, **finite}
+
+
+REFERENCE_KEYS = ("model_div", "data_div", "div_ratio", "ssim_twin", "sharpness_twin")
+
+
+def diversity_summary(per_case: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over the cases; div_ratio over the cases that have both ≥ 2 samples and a second image, and a
+    note saying what the ratio rests on (or why there is none)."""
+    both = [c for c in per_case if _finite(c.get("model_div")) and _finite(c.get("data_div"))]
+    out: dict[str, Any] = {"model_div": _mean([c.get("model_div") for c in per_case]),
+                           "data_div": _mean([c.get("data_div") for c in per_case]),
+                           "ssim_twin": _mean([c.get("ssim_twin") for c in per_case]),
+                           "sharpness_twin": _mean([c.get("sharpness_twin") for c in per_case]),
+                           "div_ratio": None, "div_ratio_cases": len(both)}
+    with_second = sum(1 for c in per_case if c.get("second_image"))
+    if both:
+        ratio = diversity_ratio(_mean([c["model_div"] for c in both]), _mean([c["data_div"] for c in both]))
+        out["div_ratio"] = ratio if math.isfinite(ratio) else None
+        out["diversity_note"] = (f"div_ratio = model_div / data_div over the {len(both)} of {len(per_case)} masks "
+                                 "with >= 2 samples and a second real image")
+    elif with_second:
+        out["diversity_note"] = "second real images given, but no mask has >= 2 samples: no diversity ratio"
+    else:
+        out["diversity_note"] = ("no second real image of any mask (--second_images DIR of <case>.nii.gz, e.g. "
+                                 "test-retest scans): the data's own diversity is unknown, so the samples' "
+                                 "diversity (model_div, ms_ssim) has no reference")
+    return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
 
 
 FIDELITY_KEYS = ("head_dice", "lesion_dice", "truth_head_dice", "truth_lesion_dice", "contrast_ratio",
@@ -185,6 +242,7 @@ def summarize(rows: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> dic
         "psnr_infinite": sum(1 for r in rows if math.isinf(r["psnr"])),
         "mae": _mean([r["mae"] for r in rows]),
         "ms_ssim": _mean([c["ms_ssim"] for c in per_case]),
+        **diversity_summary(per_case),
     }
     for key in FIDELITY_KEYS:
         if any(key in r for r in rows):

@@ -143,11 +143,11 @@ def test_flop_count_is_positive_and_scales_with_voxels(tmp_path):
 
 
 def test_default_samplers_follow_the_configs_objective(tmp_path):
-    """--sampling auto (the default) times the samplers that fit the config: a flow config gets euler and heun."""
+    """--sampling auto (the default) times the samplers that fit the config: a flow config gets euler, heun and euler_a."""
     flow = tiny(tmp_path / "f", prediction="flow", sampler="heun", loss="l2").yaml()
     gauss = tiny(tmp_path / "g").yaml()
     args = bench.build_parser().parse_args(["--config", str(flow), "--device", "cpu", "--sizes", "16"])
-    assert bench.resolve_args(args).samplers == ["euler", "heun"]
+    assert bench.resolve_args(args).samplers == ["euler", "heun", "euler_a"]
     args = bench.build_parser().parse_args(["--config", str(gauss), "--device", "cpu", "--sizes", "16", "--quick"])
     plan = bench.resolve_args(args)
     assert plan.samplers == ["ddim", "ddpm", "dpmpp2m"] or set(plan.samplers) == {"ddim", "ddpm", "dpmpp2m"}

@@ -92,6 +92,39 @@ def test_diversity_identical_samples_score_one(folders, capsys):
     assert set(result["samples"][0]["labels"]) == {"1", "2"}  # --labels restricts the statistics
 
 
+def test_diversity_against_second_real_images_or_a_note_without_them(folders, capsys):
+    """Samples identical to the image: model_div 0, ratio 0. Samples that are the image and its retest: the ratio is
+    1 (they vary as the data does). Without --second_images the summary says there is no reference."""
+    rng = np.random.default_rng(5)
+    for i in range(2):
+        image = load_image(folders, f"case_{i}")
+        retest = np.clip(image + rng.normal(0, 0.05, image.shape), 0, 1).astype(np.float32)
+        write_nifti(folders / "second" / f"case_{i}.nii.gz", retest)
+        write_nifti(folders / "samples" / f"case_{i}_sample0.nii.gz", image)
+        write_nifti(folders / "samples" / f"case_{i}_sample1.nii.gz", image if i == 0 else retest)
+    code, err = call(argv(folders, "--second_images", str(folders / "second"), "--real_range", "0", "1",
+                          "--sample_range", "0", "1"), capsys)
+    assert code == 0, err
+    result = json.loads((folders / "eval" / "metrics.json").read_text())
+    same, like_data = result["cases"]
+    assert same["model_div"] == pytest.approx(0.0, abs=1e-6) and same["div_ratio"] == pytest.approx(0.0, abs=1e-4)
+    assert same["data_div"] > 0.05 and same["ssim_twin"] == pytest.approx(1 - same["data_div"])
+    assert like_data["div_ratio"] == pytest.approx(1.0, rel=1e-5)
+    s = result["summary"]
+    assert s["div_ratio_cases"] == 2 and s["div_ratio"] == pytest.approx(
+        s["model_div"] / s["data_div"]) and "2 of 2 masks" in s["diversity_note"]
+    assert "model_div" in (folders / "eval" / "cases.csv").read_text().splitlines()[0]
+    code, err = call(argv(folders, "--overwrite"), capsys)
+    assert code == 0, err
+    s = json.loads((folders / "eval" / "metrics.json").read_text())["summary"]
+    assert s["div_ratio"] is None and s["data_div"] is None and "no second real image" in s["diversity_note"]
+    assert s["model_div"] > 0  # still measured, just without a reference
+    (folders / "second" / "case_1.nii.gz").unlink()  # a case without its retest is left out of the ratio
+    write_nifti(folders / "second" / "case_0.nii.gz", np.zeros((SIZE, SIZE, 8), np.float32))
+    code, err = call(argv(folders, "--overwrite", "--second_images", str(folders / "second")), capsys)
+    assert code == 2 and "case_0.nii.gz: second image shape" in err
+
+
 def test_sample_that_ignores_the_mask_shows_in_label_stats(folders, capsys):
     """A sample with the intensities of label 1 and 2 swapped: the per-label means say so."""
     image = load_image(folders, "case_0")
@@ -113,7 +146,7 @@ def test_scale_helpers():
     assert [scores.ms_ssim_scales((s,) * 3) for s in (13, 16, 32, 40, 64, 128)] == [0, 2, 3, 3, 4, 5]
     assert metrics.ssim_window((40, 36, 30)) == 11 and metrics.ssim_window((8, 9, 9)) == 7
     small = [torch.rand(1, 1, 12, 12, 12) for _ in range(2)]
-    value, pairs, note = scores.diversity(small)
+    value, pairs, note = scores.ms_ssim_among(small)
     assert value is None and pairs == 0 and "too small" in note
     unit = inputs.to_unit(np.array([[[-1.0, 0.0, 0.5, 2.0]]]), 0.0, 1.0)
     assert unit.shape == (1, 1, 1, 1, 4) and unit.flatten().tolist() == [0.0, 0.0, 0.5, 1.0]

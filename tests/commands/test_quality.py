@@ -32,6 +32,30 @@ def test_phantom_sets_are_seeded_and_the_test_masks_are_not_trained_on(tmp_path)
     assert not np.array_equal(other[0].mask, a[0].mask)
 
 
+def test_phantom_test_masks_have_an_independent_twin_and_the_ratio_reads_against_it(tmp_path):
+    cases = Q.write_set("phantom", tmp_path, 2, 2, seed=0, size=16, labels=[1, 2])
+    assert not (tmp_path / "train" / "twins").exists() and (tmp_path / "test" / "twins" / "case_001.nii.gz").is_file()
+    for c in cases:
+        assert c.twin is not None and c.twin.shape == c.truth.shape and not np.array_equal(c.twin, c.truth)
+        # same mask, so the same mean intensity per label up to texture and noise
+        assert abs(c.twin[c.mask == 2].mean() - c.truth[c.mask == 2].mean()) < 0.03
+    again = Q.write_set("phantom", tmp_path / "again", 2, 2, seed=0, size=16, labels=[1, 2])
+    assert all(np.array_equal(a.twin, b.twin) for a, b in zip(cases, again))  # seeded
+    identical = np.stack([c.truth for c in cases for _ in range(2)])
+    scores = Q.score_samples(identical, cases, [1, 2])
+    assert scores["model_div"] == pytest.approx(0.0, abs=1e-6) and scores["data_div"] > 0.005
+    assert scores["div_ratio"] == pytest.approx(0.0, abs=1e-3) and scores["ssim"] == pytest.approx(1.0)
+    assert scores["ssim_twin"] == pytest.approx(1 - scores["data_div"])
+    like_data = np.stack([v for c in cases for v in (c.truth, c.twin)])
+    assert Q.score_samples(like_data, cases, [1, 2])["div_ratio"] == pytest.approx(1.0, rel=1e-5)
+    row = {"run": "r", "set": "realistic", "step": 1, "train_s": 1.0, "sampling": "heun-5", "evaluations": 9,
+           **Q.score_samples(identical, [Q.TestCase(c.name, c.mask, c.truth) for c in cases], [1, 2])}
+    cells = Q.format_row(row).split(" | ")
+    header = ["run", "set", "step", "train s", "sampling", "NFE", *[h for h, _, _ in Q.TABLE_KEYS]]
+    assert [cells[header.index(h)] for h in ("data_div", "div_ratio", "SSIM twin")] == ["n/a"] * 3
+    assert cells[header.index("model_div")] == "0.000"
+
+
 def test_deform_pair_keeps_labels_and_range():
     rng = np.random.default_rng(0)
     size = 32
@@ -85,9 +109,11 @@ def test_command_trains_scores_and_writes_json(tmp_path, capsys):
     for r in rows:
         assert r["set"] == "phantom" and r["evaluations"] in (2, 3)
         for key in ("head_dice", "lesion_dice", "mean_error/0", "mean_error/1", "mean_error/2", "ssim", "psnr",
-                    "sharpness_ratio", "diversity", "contrast_ratio", "train_s", "train_cpu_s"):
+                    "sharpness_ratio", "diversity", "contrast_ratio", "train_s", "train_cpu_s", "model_div", "data_div",
+                    "div_ratio", "ssim_twin", "sharpness_twin"):
             assert key in r, key
         assert 0 <= r["head_dice"] <= 1 and -1 <= r["ssim"] <= 1
+        assert r["data_div"] > 0.005 and r["div_ratio"] == pytest.approx(r["model_div"] / r["data_div"])
     assert rows[2]["train_s"] > rows[0]["train_s"] > 0
     printed = capsys.readouterr().out
     assert "| run | set | step |" in printed and "ddpm-3" in printed

@@ -96,7 +96,7 @@ def test_a_set_against_itself_scores_zero_and_a_changed_set_far_more(sets, weigh
         assert "FID" in out and "note: fewer volumes than feature dimensions" in out
     same, changed = results["same"], results["contrast"]
     assert same["n_real"] == same["n_synthetic"] == 6 and same["feature_dim"] == 2048
-    assert changed["fid"] > 1.0 and abs(same["fid"]) < 1e-9 * changed["fid"]
+    assert changed["fid"] > 0.5 and abs(same["fid"]) < 1e-9 * changed["fid"]  # randomly initialised features
     # A set against itself is not two independent draws: its unbiased MMD is -2 tr(cov) / n, below zero.
     assert changed["mmd"] > 2 * abs(same["mmd"]) and same["mmd"] < 0
     ref = changed["reference"]

@@ -98,9 +98,28 @@ def test_lesion_dice_is_not_fooled_by_the_skull_rim_but_catches_a_faint_lesion(c
 def test_diversity(case):
     image, _ = case
     rng = np.random.default_rng(3)
-    assert M.diversity([image, image]) == pytest.approx(1.0)
-    assert M.diversity([rng.uniform(0, 1, image.shape), rng.uniform(0, 1, image.shape)]) < 0.1
-    assert math.isnan(M.diversity([image]))
+    assert M.mean_pairwise_ssim([image, image]) == pytest.approx(1.0)
+    assert M.mean_pairwise_ssim([rng.uniform(0, 1, image.shape), rng.uniform(0, 1, image.shape)]) < 0.1
+    assert math.isnan(M.mean_pairwise_ssim([image]))
+
+
+def test_diversity_against_the_datas_own(case):
+    """Identical samples: model_div 0 whatever the data does; a twin (same mask, new texture and noise) is
+    neither the truth nor uniform noise; samples that are the truth and its twin vary exactly as the data does."""
+    image, mask = case
+    twin_mask, twin = make_case(np.random.default_rng([0, 2, 0]), 24, texture_rng=np.random.default_rng([0, 3, 0]))
+    assert np.array_equal(twin_mask, mask) and not np.array_equal(twin, image)
+    data_div = M.data_diversity(image, twin)
+    assert 0.005 < data_div < 0.5  # measured 0.016: the phantoms vary little given the mask (SSIM 0.98)
+    same = M.reference_diversity([image, image], image, twin, mask)
+    assert same["model_div"] == pytest.approx(0.0, abs=1e-6) and same["div_ratio"] == pytest.approx(0.0, abs=1e-4)
+    assert same["data_div"] == pytest.approx(data_div) and same["ssim_twin"] == pytest.approx(1 - data_div)
+    assert 0.7 < same["sharpness_twin"] < 1.3  # another real draw is about as sharp as the truth
+    as_data = M.reference_diversity([image, twin], image, twin, mask)
+    assert as_data["div_ratio"] == pytest.approx(1.0, rel=1e-5)
+    no_twin = M.reference_diversity([image, twin], image, None, mask)
+    assert math.isnan(no_twin["data_div"]) and math.isnan(no_twin["div_ratio"]) and no_twin["model_div"] > 0.005
+    assert math.isnan(M.diversity_ratio(0.1, 0.0))
 
 
 def test_bad_shapes_raise(case):
