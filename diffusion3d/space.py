@@ -18,12 +18,12 @@ back to its mask's grid; noise, loss, guidance and the samplers see plain tensor
 
 The mask condition on the subband grid (``cond``), two ways:
 
-- ``pool`` (the default): the {-1, 1} one-hot average-pooled over each 2^levels block, i.e. every label's
-  fraction of the block, rescaled to [-1, 1]; one channel per label.
-- ``haar``: the one-hot's own Haar subbands (encoded like the image); 8^levels channels per label, which
-  keep where inside the block a boundary runs.
+- ``haar`` (the default): the {-1, 1} one-hot's own Haar subbands, encoded like the image: 8^levels
+  channels per label, which keep where inside each block a boundary runs (the mask is recoverable exactly).
+- ``pool``: the one-hot average-pooled over each 2^levels block, i.e. every label's fraction of the block
+  rescaled to [-1, 1]; one channel per label.
 
-docs/design.md ("Spaces") has the measurement that chose ``pool`` and the reason for writing the
+docs/design.md ("Spaces") has the measurement that chose ``haar`` and the reason for writing the
 transform here instead of depending on ``ptwt``.
 """
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 LOWPASS_SCALE = 3.0  # WDM-3D's divisor of the low-pass band (its dwt returns LLL / 3.)
 COND_KINDS = ("pool", "haar")
-DEFAULT_COND = "pool"  # chosen by measurement (docs/design.md, "Spaces")
+DEFAULT_COND = "haar"  # chosen by measurement (docs/design.md, "Spaces")
 
 
 class Space(Protocol):

@@ -34,7 +34,7 @@ def test_bad_recipe_combinations_are_refused(values, message):
 
 
 def test_shipped_configs_are_valid():
-    for name in ("default", "whole_head_128"):
+    for name in ("default", "whole_head_128", "brats_192"):
         C.validate(C.load(ROOT / "diffusion3d" / "configs" / f"{name}.yaml"))
 
 

@@ -548,3 +548,21 @@ def test_real_whole_head_pair(tmp_path):
     # already RAS, 128³ and in [-1, 1]: the transforms must leave it as it is
     np.testing.assert_allclose(out["image"][0].numpy(), np.asarray(nib.load(str(image)).dataobj), atol=1e-6)
     np.testing.assert_array_equal(out["mask"][0].numpy(), np.asarray(nib.load(str(mask)).dataobj))
+
+
+def test_real_brats_case_checks_with_the_brats_config(capsys):
+    """The brats_192 config on the one real BraTS 2021 case (4 modalities, 192×192×144, LPS, labels 0-4):
+    --check_data finds one case of four image channels and every label, and writes nothing."""
+    root = SHARED_DATA / "brats2021"
+    if not root.is_dir():
+        pytest.skip(f"real data not present at {root}")
+    from diffusion3d.commands import train as cli
+
+    folders = ",".join(str(root / m) for m in ("t1", "t1ce", "t2", "flair"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--check_data", "--config", "brats_192", "--image_dir", f"[{folders}]", "--mask_dir",
+                  str(root / "seg")])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for expected in ["cases: 1", "shapes: (192, 192, 144)", "orientations: LPS", ", 1: ", ", 2: ", ", 3: ", ", 4: "]:
+        assert expected in out, out

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion3d import memory
+from diffusion3d import config as C
+from diffusion3d import configs, memory
 from diffusion3d.memory import (MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory,
                                 synthetic_trainer)
+from diffusion3d.monitor import peak_rss_bytes
 from diffusion3d.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -87,3 +89,78 @@ def test_planning_does_not_touch_the_callers_config(tmp_path):
     step_memory(cfg, 1)
     assert cfg.to_dict() == before
 
+
+
+# ---- the estimate: the trainer's step traced on the meta device ----------------------------------------
+ESTIMATE_TOLERANCE = 0.01  # relative; measured: 0 bytes apart in fp32, at most 0.04 % in bf16 (CPU rules)
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"activation_checkpointing": True}, {"space": "wavelet"},
+    {"space": "wavelet", "wavelet_levels": 2, "activation_checkpointing": True},
+    {"precision": "bf16"}, {"precision": "bf16", "activation_checkpointing": True},
+], ids=["fp32", "fp32-ckpt", "wavelet1", "wavelet2-ckpt", "bf16", "bf16-ckpt"])
+def test_meta_trace_agrees_with_the_measured_step(tmp_path, overrides):
+    """The estimate traced on the meta device (no memory, no arithmetic) = the live bytes of the same step
+    run for real on the CPU at 16³, within ESTIMATE_TOLERANCE. bf16 is replayed with the CPU's autocast
+    rules here (the table uses CUDA's, which keep norms and upsampling in fp32)."""
+    cfg = tiny_config(tmp_path, **overrides)
+    estimate = memory.estimate_step(cfg, 2, rules="cpu")
+    real = step_memory(cfg, 2)
+    assert estimate.static_bytes == real.static_bytes
+    assert abs(estimate.step_peak_bytes - real.step_peak_bytes) <= ESTIMATE_TOLERANCE * real.step_peak_bytes
+
+
+def test_meta_trace_counts_the_flops_of_the_real_step(tmp_path):
+    """FLOPs of the meta trace = FlopCounterMode on the real step, attention included (the CPU flash kernel
+    has no formula of its own in torch: counted through memory.flop_counter)."""
+    cfg = tiny_config(tmp_path)
+    trainer = synthetic_trainer(cfg, 1, accum=1)
+    with memory.flop_counter() as counter:
+        trainer.accumulate()
+    attention = counter.get_flop_counts()["Global"].get(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, 0)
+    assert attention > 0
+    assert memory.estimate_step(cfg, 1).flops == counter.get_total_flops()
+
+
+def test_cuda_rules_keep_norms_and_upsampling_in_fp32():
+    """EmulatedAutocast with CUDA's rules: convolutions and linears in half, group norm and interpolation in
+    fp32, only inside a region; a weight is cast once per region."""
+    emulation = memory.EmulatedAutocast(torch.float16)
+    conv = torch.nn.Conv3d(2, 4, 3, padding=1, device="meta")
+    x = torch.empty(1, 2, 4, 4, 4, device="meta")
+    with emulation:
+        assert conv(x).dtype == torch.float32  # outside a region: untouched
+        with emulation.region():
+            y = conv(x)
+            assert y.dtype == torch.float16
+            assert torch.nn.functional.group_norm(y, 2).dtype == torch.float32
+            assert torch.nn.functional.interpolate(y, scale_factor=2.0).dtype == torch.float32
+            conv(x)
+            assert len(emulation.cache) == 2  # weight and bias, each cast once
+        assert not emulation.cache
+    with memory.EmulatedAutocast(torch.bfloat16, rules="cpu") as cpu, cpu.region():
+        assert torch.nn.functional.group_norm(conv(x), 2).dtype == torch.bfloat16
+
+
+def test_a_large_grid_is_traced_without_allocating_it(tmp_path):
+    """256³ in wavelet space: the trace reports gigabytes of activations while the process does not grow
+    by them (the meta device holds shapes only)."""
+    cfg = tiny_config(tmp_path, size=256, data=False, space="wavelet", wavelet_levels=1)
+    rss = peak_rss_bytes()
+    estimate = memory.estimate_step(cfg, 1)
+    assert estimate.step_peak_bytes > 2 * 2**30
+    assert peak_rss_bytes() - rss < 0.5 * estimate.step_peak_bytes
+
+
+@pytest.mark.parametrize("name, size, card_gib", [("whole_head_128", 128, 16), ("whole_head_128", 256, 40),
+                                                  ("brats_192", None, 24)])
+def test_shipped_configs_fit_their_cards(name, size, card_gib):
+    """The targets the configs are chosen by (docs/performance.md, "Memory and FLOPs per size"): one
+    training sample of whole_head_128 in its wavelet space fits 16 GB at 128³ and 40 GB at 256³, and
+    brats_192 (4 modalities, 192×192×160) fits 24 GB, with the planner's headroom for the allocator."""
+    cfg = C.load(configs.find(name))
+    if size is not None:
+        cfg.data.image_size = [size] * 3
+    estimate = memory.estimate_step(cfg, 1)
+    assert estimate.total_bytes <= memory.GPU_HEADROOM * card_gib * 2**30

@@ -142,14 +142,15 @@ def test_build_model_from_config(tmp_path):
 @pytest.mark.parametrize("levels", [1, 2])
 def test_wavelet_space_model_takes_the_subbands_as_channels(tmp_path, levels):
     """In wavelet space the UNet reads and predicts 8^levels subbands per image channel (2 channels here),
-    the pooled condition keeps one channel per label, and it runs on the grid shrunk by 2^levels."""
+    takes the condition's subbands (8^levels per label), and runs on the grid shrunk by 2^levels."""
     cfg = tiny_config(tmp_path, space="wavelet", wavelet_levels=levels, image_channels=2, size=32)
     model = build_model(cfg)
-    assert (model.image_channels, model.cond_channels) == (2 * 8**levels, 2)
-    assert count_parameters(model) == tiny_unet_parameters_by_hand(2 * 8**levels, 2)
+    bands = 8**levels
+    assert (model.image_channels, model.cond_channels) == (2 * bands, 2 * bands)
+    assert count_parameters(model) == tiny_unet_parameters_by_hand(2 * bands, 2 * bands)
     side = 32 // 2**levels
-    x_t = torch.randn(1, 2 * 8**levels, side, side, side)
-    assert model(x_t, torch.tensor([3]), torch.ones(1, 2, side, side, side)).shape == x_t.shape
+    x_t = torch.randn(1, 2 * bands, side, side, side)
+    assert model(x_t, torch.tensor([3]), torch.ones(1, 2 * bands, side, side, side)).shape == x_t.shape
 
 
 def test_tiny_model_overfits_one_phantom_pair():

@@ -58,11 +58,11 @@ def test_wavelet_model_samples_subbands_and_generate_decodes_them(tmp_path, leve
     cfg = tiny_config(tmp_path, space="wavelet", wavelet_levels=levels, prediction="flow", sampler="euler", loss="l2")
     torch.manual_seed(0)
     model = build_model(cfg).eval()
-    assert model.image_channels == 8**levels and model.cond_channels == 2
+    assert model.image_channels == 8**levels and model.cond_channels == 2 * 8**levels
     grid = random_mask(cfg, 0)
     space = S.make_space(cfg)
     cond = space.cond(grid.cond(cfg.data.labels)[None])
-    assert cond.shape == (1, 2, *[16 // 2**levels] * 3)
+    assert cond.shape == (1, 2 * 8**levels, *[16 // 2**levels] * 3)
     latent = RectifiedFlow.from_config(cfg).sample(model, (1, *space.latent_shape(1, [16] * 3)), cond, "euler", 2,
                                                    seeds=[11])
     (out,) = sampling.generate(model, cfg, [grid], [11], sampler="euler", steps=2)

@@ -80,7 +80,8 @@ def test_condition_on_the_subband_grid():
     haar = S.WaveletSpace(1, cond="haar")
     assert haar.cond(onehot).shape == (1, 16, 4, 4, 4) and haar.cond_channels(2) == 16
     torch.testing.assert_close(haar.decode(haar.cond(onehot)), onehot)  # nothing of the mask is lost
-    assert S.WaveletSpace(2).cond_channels(3) == 3 and S.PixelSpace().cond_channels(3) == 3
+    assert S.WaveletSpace(2, cond="pool").cond_channels(3) == 3 and S.PixelSpace().cond_channels(3) == 3
+    assert S.WaveletSpace(2).cond_channels(3) == 3 * 64  # the default: the subbands (docs/design.md, "Spaces")
 
 
 def test_pixel_space_is_the_identity():

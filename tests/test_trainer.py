@@ -121,8 +121,8 @@ def test_the_trainer_feeds_the_diffusion_encoded_images_and_conditions(tmp_path,
     x0 = torch.stack([it["image"] for it in items])
     cond = mask_to_cond(torch.stack([it["mask"] for it in items]), cfg.data.labels)
     torch.testing.assert_close(seen["x0"], trainer.space.encode(x0))
-    torch.testing.assert_close(seen["cond"], torch.nn.functional.avg_pool3d(cond, 2))
-    assert seen["x0"].shape == (2, 8, 8, 8, 8) and seen["cond"].shape == (2, 2, 8, 8, 8)
+    torch.testing.assert_close(seen["cond"], trainer.space.encode(cond))  # the default condition: its subbands
+    assert seen["x0"].shape == (2, 8, 8, 8, 8) and seen["cond"].shape == (2, 16, 8, 8, 8)
 
 
 def test_accumulation_loop_never_syncs_with_the_host(tmp_path, monkeypatch):

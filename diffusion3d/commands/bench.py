@@ -35,7 +35,6 @@ from typing import Any
 
 import monai
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from .. import config as C
 from .. import configs
@@ -44,7 +43,7 @@ from .common import (InputError, OneLineParser, comma_list, configure_logging, d
 from ..data import SampleStream, build_dataset, discover, make_loader
 from ..diffusion import SAMPLERS, make_diffusion
 from ..monitor import current_rss_bytes, peak_rss_bytes
-from ..memory import measure_step, synthetic_cases
+from ..memory import estimate_step, flop_counter, measure_step, step_memory, synthetic_cases, table_row
 from ..synthetic import write_cases
 from ..model import build_model, count_parameters
 from ..precision import autocast_factory
@@ -146,7 +145,7 @@ def count_train_flops(trainer: Trainer) -> int:
     """FLOPs of one optimizer step's micro-batches, forward and backward (``trainer.accumulate``), as
     counted by FlopCounterMode: convolutions, matmuls, attention. Deterministic for a given model and
     shape; the optimizer step is not counted. Takes one step's data from the trainer's stream."""
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()  # FlopCounterMode that also counts the CPU flash-attention kernel
     with counter:
         trainer.accumulate()
     trainer.model.zero_grad(set_to_none=True)
@@ -366,6 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
                    help="each training configuration in a fresh process (auto: on for CPU, where RSS is the memory measure)")
     p.add_argument("--no_estimate", action="store_true", help="skip the allocator-free step-memory measurement")
+    p.add_argument("--table_sizes", default="64,128,256,192x192x144:4",
+                   help="--parts memory_table: grids (N for N³, or DxHxW) with :C image channels (default 1)")
+    p.add_argument("--table_spaces", default="pixel,wavelet1,wavelet2", help="--parts memory_table: spaces")
+    p.add_argument("--table_precisions", default="fp16,bf16",
+                   help="--parts memory_table: precisions, replayed with CUDA's autocast rules on any machine")
+    p.add_argument("--table_cards", default="16,24,40,80", help="--parts memory_table: GPU memory sizes in GiB")
+    p.add_argument("--check_sizes", default="32,64",
+                   help="--parts memory_check: cube sizes where the meta trace (CPU autocast rules) is compared with "
+                   "the step run for real on the CPU, for --table_spaces × fp32,bf16 × --checkpointing")
     p.add_argument("--json", default=None, help="also write the results here as JSON")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None,
@@ -376,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-PARTS = ("train", "sampling", "loader", "startup")
+PARTS = ("train", "sampling", "loader", "startup", "memory_table", "memory_check")
 
 
 @dataclass
@@ -400,6 +408,7 @@ class Plan:
     warmup: int
     sampling_max_steps: int | None
     threads: int | None
+    table: TableSpec | None = None
 
 
 def _resolve_precisions(text: str, device: torch.device) -> list[str]:
@@ -461,7 +470,43 @@ def resolve_args(args: argparse.Namespace) -> Plan:
         isolate=args.isolate == "on" or (args.isolate == "auto" and device.type == "cpu"),
         repeats=1 if args.quick else args.repeats, warmup=1 if args.quick else args.warmup,
         sampling_max_steps=args.sampling_max_steps or (4 if args.quick else None), threads=args.threads,
+        table=_resolve_table(args) if {"memory_table", "memory_check"} & _resolve_parts(args) else None,
     )
+
+
+@dataclass
+class TableSpec:
+    """--parts memory_table: (grid, image channels) pairs, (space, wavelet levels), precisions, cards (GiB)."""
+
+    sizes: list[tuple[list[int], int]]
+    spaces: list[tuple[str, int]]
+    precisions: list[str]
+    cards: list[int]
+
+
+def _resolve_table(args: argparse.Namespace) -> TableSpec:
+    sizes = []
+    for item in comma_list(args.table_sizes):
+        grid, _, channels = item.partition(":")
+        try:
+            sides = [int(v) for v in grid.split("x")]
+            sides = sides * 3 if len(sides) == 1 else sides
+            count = int(channels) if channels else 1
+        except ValueError:
+            raise InputError(f"--table_sizes: expected N or DxHxW with an optional :channels, got {item!r}") from None
+        if len(sides) != 3 or min(sides) < 1 or count < 1:
+            raise InputError(f"--table_sizes: expected three positive sides and channels, got {item!r}")
+        sizes.append((sides, count))
+    known = {"pixel": ("pixel", 1), "wavelet1": ("wavelet", 1), "wavelet2": ("wavelet", 2)}
+    spaces = comma_list(args.table_spaces)
+    precisions = comma_list(args.table_precisions)
+    for name in spaces:
+        if name not in known:
+            raise InputError(f"--table_spaces: unknown space {name!r} (choose from {', '.join(known)})")
+    for p in precisions:
+        if p not in ("fp32", "fp16", "bf16"):
+            raise InputError(f"--table_precisions: {p!r} is not one of fp32, fp16, bf16")
+    return TableSpec(sizes, [known[n] for n in spaces], precisions, _int_list(args.table_cards, "table_cards"))
 
 
 class _Data:
@@ -526,6 +571,46 @@ def _bench_startup(plan: Plan, data: _Data, args, progress) -> list[dict[str, An
     return rows
 
 
+def _bench_memory_table(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
+    """Memory and FLOPs of the config's training step per size, space, precision and checkpointing, traced
+    on the meta device (``memory.estimate_step``): nothing is allocated or computed, any size runs here."""
+    rows = []
+    spec = plan.table
+    for (size, channels), (space, levels), precision, ckpt in itertools.product(
+            spec.sizes, spec.spaces, spec.precisions, plan.checkpointing):
+        progress(f"memory table {'x'.join(map(str, size))}:{channels} {space}{levels if space == 'wavelet' else ''} "
+                 f"{precision} checkpointing={'on' if ckpt else 'off'}")
+        row = table_row(plan.base, size, channels, space, levels, precision, ckpt, spec.cards)
+        rows.append({**vars(row), "total_gb": row.total_gb})
+    return rows
+
+
+def _bench_memory_check(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
+    """The meta trace against the real step on the CPU (``memory.step_memory``: live bytes of the same
+    Trainer.accumulate, batch 1 × accum 2), with the CPU's autocast rules so both run the same casts."""
+    rows = []
+    for size, (space, levels), precision, ckpt in itertools.product(
+            _int_list(args.check_sizes, "check_sizes"), plan.table.spaces, ("fp32", "bf16"), plan.checkpointing):
+        cfg = C.from_dict(plan.base.to_dict())
+        cfg.data.space, cfg.data.wavelet_levels, cfg.data.image_size = space, levels, [size] * 3
+        cfg.train.precision, cfg.model.activation_checkpointing = precision, ckpt
+        try:
+            C.validate(cfg)
+        except C.ConfigError as e:
+            raise InputError(f"--check_sizes: {e}") from None
+        label = f"{space}{levels if space == 'wavelet' else ''}"
+        progress(f"memory check {size}³ {label} {precision} checkpointing={'on' if ckpt else 'off'}")
+        start = time.perf_counter()
+        estimate = estimate_step(cfg, 1, rules="cpu")
+        traced = time.perf_counter() - start
+        real = step_memory(cfg, 1)
+        rows.append({"size": size, "space": label, "precision": precision, "checkpointing": ckpt,
+                     "estimate_gb": estimate.total_bytes / 2**30, "measured_gb": real.total_bytes / 2**30,
+                     "ratio": estimate.total_bytes / real.total_bytes, "trace_s": traced,
+                     "run_s": time.perf_counter() - start - traced})
+    return rows
+
+
 def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     plan = resolve_args(args)
     if plan.threads is not None:
@@ -539,7 +624,8 @@ def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = la
         },
         "train": [], "sampling": [], "loader": [],
     }
-    parts = {"train": _bench_train, "sampling": _bench_sampling, "loader": _bench_loader, "startup": _bench_startup}
+    parts = {"train": _bench_train, "sampling": _bench_sampling, "loader": _bench_loader, "startup": _bench_startup,
+             "memory_table": _bench_memory_table, "memory_check": _bench_memory_check}
     with tempfile.TemporaryDirectory(prefix="d3d_bench_") as tmp:
         data = _Data(Path(tmp), plan.base)
         for name in PARTS:
@@ -582,6 +668,29 @@ def format_tables(report: dict[str, Any]) -> str:
         for r in report["startup"]:
             lines.append(f"{r['size']:>5} {r['cases']:>6} {r['workers']:>7} {r['validate_s']:>11.2f} "
                          f"{r['cache_build_s']:>8.2f} {r['startup_s']:>8.2f}")
+    if report.get("memory_table"):
+        lines += ["", format_memory_table(report["memory_table"])]
+    if report.get("memory_check"):
+        lines += ["", "| grid | space | prec | ckpt | traced GiB | measured GiB | ratio | trace s | run s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in report["memory_check"]:
+            lines.append(f"| {r['size']}³ | {r['space']} | {r['precision']} | {'on' if r['checkpointing'] else 'off'} | "
+                         f"{r['estimate_gb']:.3f} | {r['measured_gb']:.3f} | {r['ratio']:.4f} | {r['trace_s']:.1f} | "
+                         f"{r['run_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def format_memory_table(rows: list[dict[str, Any]]) -> str:
+    """The memory table as Markdown: one micro-batch of 1 and the largest micro-batch per card."""
+    cards = list(rows[0]["largest_batch"])
+    head = ["grid", "ch", "space", "prec", "ckpt", "GiB, batch 1", "+GiB/sample", "TFLOP/sample",
+            *[f"max batch {c} GB" for c in cards]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = ["×".join(map(str, r["image_size"])), str(r["image_channels"]), r["space"], r["precision"],
+                 "on" if r["checkpointing"] else "off", f"{r['total_gb']:.2f}", f"{r['per_sample_gb']:.2f}",
+                 f"{r['tflops_per_sample']:.2f}", *[str(r["largest_batch"][c]) for c in cards]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

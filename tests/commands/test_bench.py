@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from diffusion3d import memory
 from diffusion3d.commands import bench
 from diffusion3d.memory import synthetic_trainer
 from tests.helpers import ROOT, subprocess_env, tiny, tiny_config
@@ -44,6 +45,28 @@ def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, caps
     assert "training" in table and "sampling" in table and "loader" in table and "extrapolated" in table
 
 
+def test_memory_table_part_traces_each_configuration(tmp_path, capsys):
+    """--parts memory_table: one row per grid × space × precision × checkpointing, a side the space cannot
+    divide padded up (20 → 24 for wavelet-2 on the 2-level UNet: 8 | side), fewer bytes and FLOPs in wavelet space,
+    checkpointing saving memory, the largest batch growing with the card."""
+    config = tiny(tmp_path).yaml()
+    out = tmp_path / "table.json"
+    code = bench.main(["--config", str(config), "--parts", "memory_table", "--table_sizes", "16x16x20:2",
+                       "--table_spaces", "pixel,wavelet2", "--table_precisions", "bf16", "--checkpointing", "both",
+                       "--table_cards", "1,2", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["memory_table"]
+    assert [(r["space"], r["checkpointing"], r["image_size"]) for r in rows] == [
+        ("pixel", False, [16, 16, 20]), ("pixel", True, [16, 16, 20]),
+        ("wavelet-2", False, [16, 16, 24]), ("wavelet-2", True, [16, 16, 24])]
+    assert all(r["image_channels"] == 2 and r["precision"] == "bf16" for r in rows)
+    pixel, pixel_ckpt, wavelet, _ = rows
+    assert pixel_ckpt["total_gb"] < pixel["total_gb"] and wavelet["total_gb"] < pixel["total_gb"]
+    assert wavelet["tflops_per_sample"] < pixel["tflops_per_sample"]
+    assert all(0 < r["largest_batch"]["1"] <= r["largest_batch"]["2"] for r in rows)
+    assert "| 16×16×20 | 2 | pixel | bf16 | off |" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
     run = tiny(tmp_path)
@@ -71,6 +94,8 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
     (["--sampling", "warp"], "unknown sampler"),
     (["--sampling", "euler"], "euler does not fit prediction"),  # the test config is Gaussian: flow samplers do not fit
     (["--json", "/nonexistent/folder/out.json"], "does not exist"),
+    (["--parts", "memory_table", "--table_sizes", "16x16"], "--table_sizes"),
+    (["--parts", "memory_table", "--table_spaces", "wavelet3"], "unknown space"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, needle):
     config = tiny(tmp_path).yaml()
@@ -94,13 +119,25 @@ def test_peak_table_lookup():
 
 # ---- FLOPs -----------------------------------------------------------------------------------------
 def test_flop_count_is_positive_and_scales_with_voxels(tmp_path):
-    # no attention: every counted op is a convolution or a per-voxel matmul, linear in the voxel count
+    """Convolutions and per-voxel matmuls are linear in the voxel count; the attention of the UNet's middle
+    block (MONAI puts one there whatever attention_levels says) quadratic in its tokens, and counted: torch
+    has no FLOP formula for the CPU flash-attention kernel, memory.flop_counter adds it."""
     cfg16 = tiny_config(tmp_path / "a", attention_levels=[False, False])
     cfg32 = tiny_config(tmp_path / "b", size=32, n=1, attention_levels=[False, False])
+
+    def split(cfg) -> tuple[int, int]:
+        with memory.flop_counter() as counter:
+            synthetic_trainer(cfg, 1, accum=1).accumulate()
+        counts = counter.get_flop_counts()["Global"]
+        attention = sum(v for k, v in counts.items() if "flash_attention_for_cpu" in str(k))
+        return counter.get_total_flops() - attention, attention
+
+    (rest16, att16), (rest32, att32) = split(cfg16), split(cfg32)
+    assert att16 > 0
+    assert 6.0 < rest32 / rest16 < 10.0
+    assert att32 == 64 * att16  # 8× the tokens, each attending to 8× as many
     f16 = bench.count_train_flops(synthetic_trainer(cfg16, 1, accum=1))
-    f32 = bench.count_train_flops(synthetic_trainer(cfg32, 1, accum=1))
-    assert f16 > 0
-    assert 6.0 < f32 / f16 < 10.0
+    assert f16 == rest16 + att16
     assert bench.count_train_flops(synthetic_trainer(cfg16, 2, accum=1)) == 2 * f16  # deterministic, linear in batch
     assert bench.count_train_flops(synthetic_trainer(cfg16, 1, accum=3)) == 3 * f16  # one optimizer step's micro-batches
 

@@ -137,7 +137,7 @@ def test_config_by_bundled_name_or_path(tmp_path, capsys):
         cli.run(["--config", "no_such_recipe"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: no_such_recipe: config file not found (bundled configs: default, whole_head_128) (see train.py --help)"]
+        "error: no_such_recipe: config file not found (bundled configs: brats_192, default, whole_head_128) (see train.py --help)"]
     with pytest.raises(C.ConfigError):
         configs.find("configs/default.yaml")  # a path with folders is never taken for a bundled name
 
