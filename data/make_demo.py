@@ -14,6 +14,7 @@ byte-identical. Regenerate with::
 
     python data/make_demo.py [--seed 0] [--n 20] [--size 32] [--out data/demo]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -148,7 +148,9 @@ def _check_config_section(path: Path, raw: Any) -> None:
     except C.ConfigError as e:
         raise CheckpointError(f"{path}: the checkpoint's config section is unusable ({e})") from None
     except Exception as e:  # garbage of any shape
-        raise CheckpointError(f"{path}: the checkpoint's config section is unusable ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{path}: the checkpoint's config section is unusable ({type(e).__name__}: {e})"
+        ) from None
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
@@ -188,7 +190,7 @@ def find_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
 def apply_retention(folder: Path, keep_last: int, milestone_every: int, protect: Path | None = None) -> list[Path]:
     """Delete all but the newest ``keep_last`` and every ``milestone_every``-th step; returns what went."""
     found = list_checkpoints(folder)
-    keep = {p for _, p in found[-max(keep_last, 1):]}
+    keep = {p for _, p in found[-max(keep_last, 1) :]}
     if milestone_every > 0:
         keep |= {p for step, p in found if step % milestone_every == 0}
     if protect is not None:
@@ -217,8 +219,9 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[
     return breaking, harmless
 
 
-def select_checkpoint(resume: str, overwrite: bool, folder: Path,
-                      config: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+def select_checkpoint(
+    resume: str, overwrite: bool, folder: Path, config: dict[str, Any]
+) -> tuple[Path, dict[str, Any]] | None:
     """Apply ``--resume auto|none|PATH`` to a run's ``checkpoints/`` folder: None to start afresh, else the
     (path, state) to continue from (PATH: a file, or a run or checkpoints folder: its newest valid one).
     CheckpointError for what cannot be resumed: checkpoints that ``none`` would silently replace, a folder of
@@ -227,8 +230,10 @@ def select_checkpoint(resume: str, overwrite: bool, folder: Path,
     existing = list_checkpoints(folder)
     if resume == "none":
         if existing and not overwrite:
-            raise CheckpointError(f"{folder}: holds {len(existing)} checkpoint(s); use --resume auto to continue "
-                                  "or --overwrite to start afresh")
+            raise CheckpointError(
+                f"{folder}: holds {len(existing)} checkpoint(s); use --resume auto to continue "
+                "or --overwrite to start afresh"
+            )
         return None
     if resume == "auto":
         found = load_latest_valid(folder)
@@ -241,8 +246,11 @@ def select_checkpoint(resume: str, overwrite: bool, folder: Path,
     path, state = found
     breaking, harmless = config_differences(state["config"], config)
     if breaking:
-        raise CheckpointError(f"{path}: the config differs from the checkpoint's in ways that break the run: "
-                              + "; ".join(breaking) + " (use another --results_dir, or --resume none --overwrite)")
+        raise CheckpointError(
+            f"{path}: the config differs from the checkpoint's in ways that break the run: "
+            + "; ".join(breaking)
+            + " (use another --results_dir, or --resume none --overwrite)"
+        )
     for line in harmless:
         log.info("config change since the checkpoint (allowed): %s", line)
     return path, state

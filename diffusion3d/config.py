@@ -27,14 +27,20 @@ class ConfigError(ValueError):
     """A config file or value that cannot be used; the message names the key or file."""
 
 
-def key(default: Any, help: str, *, at_least: float | None = None, expect: str | None = None,
-        breaks_resume: bool = False, cache: bool = False) -> Any:
+def key(
+    default: Any,
+    help: str,
+    *,
+    at_least: float | None = None,
+    expect: str | None = None,
+    breaks_resume: bool = False,
+    cache: bool = False,
+) -> Any:
     """A config field: its default, its meaning (``--help``, the docs' key table), optionally a lower bound
     and the words for what it expects (for a type error's message). ``breaks_resume``: a checkpoint trained
     with another value cannot be continued (model shape, data, randomness, noise schedule; see
     ``checkpoint.BREAKING_KEYS``). ``cache``: the cached training tensors depend on it (``data.transform_key``)."""
-    metadata = {"help": help, "at_least": at_least, "expect": expect, "breaks_resume": breaks_resume,
-                "cache": cache}
+    metadata = {"help": help, "at_least": at_least, "expect": expect, "breaks_resume": breaks_resume, "cache": cache}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -112,50 +118,70 @@ class Section:
 # ---- the sections -----------------------------------------------------------------------------------
 @dataclass
 class DataConfig(Section):
-    image_dir: str | list[str] = key("data/demo/images", "image folder, or a list of folders (one image channel "
-                                     "each, in order)", breaks_resume=True)
+    image_dir: str | list[str] = key(
+        "data/demo/images", "image folder, or a list of folders (one image channel each, in order)", breaks_resume=True
+    )
     mask_dir: str = key("data/demo/masks", "mask folder (label maps)", breaks_resume=True)
-    manifest: str | None = key(None, "CSV with columns case, image (or image_0, image_1, ...), mask, instead of "
-                               "folders", breaks_resume=True)
+    manifest: str | None = key(
+        None, "CSV with columns case, image (or image_0, image_1, ...), mask, instead of folders", breaks_resume=True
+    )
     image_channels: int | None = key(
-        None, "image volumes per case (the model's image channels); found by discovery: one per image_dir "
+        None,
+        "image volumes per case (the model's image channels); found by discovery: one per image_dir "
         "folder or manifest image column. The run records it, so sampling needs no data; set it only to check",
-        at_least=1)
+        at_least=1,
+    )
     image_suffix: str = key("", "stripped from image file names to find the case name (e.g. _t1)", breaks_resume=True)
     mask_suffix: str = key("", "stripped from mask file names (e.g. _seg)", breaks_resume=True)
     labels: list[int] = key([1, 2], "mask labels -> one-hot condition channels, in order", breaks_resume=True)
-    unknown_labels: Literal["error", "warn"] = key("error", "mask values outside {0} and labels: refuse, or warn "
-                                                   "and treat them as background")
-    orientation: str | None = key("RAS", "axis codes everything is reoriented to (null: keep the file's)",
-                                  breaks_resume=True, cache=True)
-    spacing: list[float] | None = key(None, "resample to this spacing in mm (null: keep the file's grid)",
-                                      breaks_resume=True, cache=True)
-    intensity: Literal["percentile", "range", "none"] = key("percentile", "how each volume is scaled to [-1, 1]",
-                                                            breaks_resume=True, cache=True)
+    unknown_labels: Literal["error", "warn"] = key(
+        "error", "mask values outside {0} and labels: refuse, or warn and treat them as background"
+    )
+    orientation: str | None = key(
+        "RAS", "axis codes everything is reoriented to (null: keep the file's)", breaks_resume=True, cache=True
+    )
+    spacing: list[float] | None = key(
+        None, "resample to this spacing in mm (null: keep the file's grid)", breaks_resume=True, cache=True
+    )
+    intensity: Literal["percentile", "range", "none"] = key(
+        "percentile", "how each volume is scaled to [-1, 1]", breaks_resume=True, cache=True
+    )
     lower_percentile: float = key(0.0, "for intensity: percentile", breaks_resume=True, cache=True)
     upper_percentile: float = key(99.5, "for intensity: percentile", breaks_resume=True, cache=True)
-    intensity_range: list[float] = key([0.0, 1.0], "[low, high] mapped to [-1, 1], for intensity: range",
-                                       breaks_resume=True, cache=True)
-    image_size: list[int] = key([32, 32, 32], "the model's grid; divisible by 2^(levels-1)", breaks_resume=True,
-                                cache=True)
-    space: Literal["pixel", "wavelet"] = key("pixel", "diffusion on the voxels, or on their Haar subbands "
-                                             "(WDM-3D)", breaks_resume=True)
-    wavelet_levels: int = key(1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)",
-                              at_least=1, breaks_resume=True)
+    intensity_range: list[float] = key(
+        [0.0, 1.0], "[low, high] mapped to [-1, 1], for intensity: range", breaks_resume=True, cache=True
+    )
+    image_size: list[int] = key(
+        [32, 32, 32], "the model's grid; divisible by 2^(levels-1)", breaks_resume=True, cache=True
+    )
+    space: Literal["pixel", "wavelet"] = key(
+        "pixel", "diffusion on the voxels, or on their Haar subbands (WDM-3D)", breaks_resume=True
+    )
+    wavelet_levels: int = key(
+        1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)", at_least=1, breaks_resume=True
+    )
     output_intensity: Literal["unit", "model", "source"] = key(
-        "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)")
-    resize_mode: Literal["pad_crop", "resize"] = key("pad_crop", "how volumes are fit to the model's grid",
-                                                     breaks_resume=True, cache=True)
-    cache: Literal["memory", "disk", "none"] = key("memory", "decoded training set kept in memory (CacheDataset), "
-                                                   "on disk in cache_dir (PersistentDataset), or not at all")
+        "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)"
+    )
+    resize_mode: Literal["pad_crop", "resize"] = key(
+        "pad_crop", "how volumes are fit to the model's grid", breaks_resume=True, cache=True
+    )
+    cache: Literal["memory", "disk", "none"] = key(
+        "memory",
+        "decoded training set kept in memory (CacheDataset), on disk in cache_dir (PersistentDataset), or not at all",
+    )
     cache_dir: str | None = key(None, "for cache: disk (null: results_dir/cache)")
     num_workers: int = key(0, "loader workers, validation processes and cache-build threads")
     pin_memory: bool = key(True, "pinned host memory for batches (CUDA)")
-    num_val_cases: int = key(2, "cases held out for validation sampling (when at least four remain for "
-                             "training)", breaks_resume=True)
+    num_val_cases: int = key(
+        2, "cases held out for validation sampling (when at least four remain for training)", breaks_resume=True
+    )
     shape_tolerance_mm: float = key(1e-3, "how far image and mask affines may differ")
-    max_volume_gb: float | None = key(2.0, "refuse a file whose header declares more voxel data (shape × "
-                                      "datatype size), before reading it (null: no ceiling)")
+    max_volume_gb: float | None = key(
+        2.0,
+        "refuse a file whose header declares more voxel data (shape × "
+        "datatype size), before reading it (null: no ceiling)",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -173,14 +199,16 @@ class DataConfig(Section):
         if self.wavelet_levels not in (1, 2):
             raise ConfigError(f"wavelet_levels: must be 1 or 2, got {self.wavelet_levels}")
         if self.output_intensity == "source" and self.intensity != "range":
-            raise ConfigError("output_intensity: source needs intensity: range (percentile scaling has no "
-                              "fixed source range)")
+            raise ConfigError(
+                "output_intensity: source needs intensity: range (percentile scaling has no fixed source range)"
+            )
 
 
 @dataclass
 class ModelConfig(Section):
-    with_condition: bool = key(True, "concatenate the mask's label channels to the noisy image",
-                               breaks_resume=True, cache=True)
+    with_condition: bool = key(
+        True, "concatenate the mask's label channels to the noisy image", breaks_resume=True, cache=True
+    )
     channels: list[int] = key([32, 64, 64], "channels per UNet level", breaks_resume=True)
     num_res_blocks: int = key(1, "residual blocks per level", breaks_resume=True)
     attention_levels: list[bool] = key([False, False, True], "self-attention (SDPA) per level", breaks_resume=True)
@@ -200,22 +228,27 @@ class ModelConfig(Section):
 class DiffusionConfig(Section):
     timesteps: int = key(250, "training timesteps of Gaussian diffusion", at_least=1, breaks_resume=True)
     schedule: Literal["cosine", "linear"] = key("cosine", "noise schedule", breaks_resume=True)
-    prediction: Literal["eps", "v", "x0", "flow"] = key("eps", "network target: eps, v or x0 (Gaussian "
-                                                       "diffusion) or flow (rectified flow)", breaks_resume=True)
+    prediction: Literal["eps", "v", "x0", "flow"] = key(
+        "eps", "network target: eps, v or x0 (Gaussian diffusion) or flow (rectified flow)", breaks_resume=True
+    )
     loss: Literal["l1", "l2"] = key("l1", "loss on the network's target")
     min_snr_gamma: float | None = key(None, "min-SNR-gamma loss weighting (Gaussian diffusion only)")
     sampler: Literal["ddim", "ddpm", "dpmpp2m", "euler", "heun", "euler_a"] = key(
-        "ddim", "ddim, ddpm or dpmpp2m (Gaussian diffusion); euler, heun or euler_a (ancestral: fresh noise each step) (flow)")
+        "ddim",
+        "ddim, ddpm or dpmpp2m (Gaussian diffusion); euler, heun or euler_a (ancestral: fresh noise each step) (flow)",
+    )
     sampling_steps: int = key(50, "sampler steps (heun: 2 network evaluations per step but the last)", at_least=1)
     ddim_eta: float = key(0.0, "DDIM stochasticity")
     clip_x0: bool = key(True, "clip the predicted x0 to [-1, 1] while sampling")
-    flow_shift: float | None = key(None, "flow time shift toward noise (null: (voxels / 32^3)^(1/3), as "
-                                   "MONAI's RFlowScheduler: 1 at 32^3, 4 at 128^3)")
+    flow_shift: float | None = key(
+        None,
+        "flow time shift toward noise (null: (voxels / 32^3)^(1/3), as MONAI's RFlowScheduler: 1 at 32^3, 4 at 128^3)",
+    )
     flow_time_sampling: Literal["logit_normal", "uniform"] = key("logit_normal", "training times of the flow")
-    cond_drop_prob: float = key(0.0, "classifier-free guidance: fraction of samples trained with the null "
-                                "condition")
-    guidance_scale: float = key(1.0, "sampling: uncond + scale * (cond - uncond); 1 = the conditional model "
-                                "alone (no extra cost)")
+    cond_drop_prob: float = key(0.0, "classifier-free guidance: fraction of samples trained with the null condition")
+    guidance_scale: float = key(
+        1.0, "sampling: uncond + scale * (cond - uncond); 1 = the conditional model alone (no extra cost)"
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -225,8 +258,10 @@ class DiffusionConfig(Section):
         flow = self.prediction == "flow"
         objective = "flow" if flow else "gaussian"
         if SAMPLERS[self.sampler].objective != objective:
-            raise ConfigError(f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} "
-                              f"(use {' or '.join(samplers_of(objective))})")
+            raise ConfigError(
+                f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} "
+                f"(use {' or '.join(samplers_of(objective))})"
+            )
         if flow and self.min_snr_gamma is not None:
             raise ConfigError("min_snr_gamma: applies to Gaussian diffusion (eps / v / x0), not to prediction: flow")
         if self.flow_shift is not None and self.flow_shift <= 0:
@@ -239,13 +274,19 @@ class DiffusionConfig(Section):
 
 @dataclass
 class TrainConfig(Section):
-    batch_size: int | Literal["auto"] = key(1, "micro-batch size per process, or auto: the largest that fits "
-                                            "(needs effective_batch)", at_least=1,
-                                            expect="a positive integer or auto")
+    batch_size: int | Literal["auto"] = key(
+        1,
+        "micro-batch size per process, or auto: the largest that fits (needs effective_batch)",
+        at_least=1,
+        expect="a positive integer or auto",
+    )
     gradient_accumulate_every: int = key(1, "micro-batches per optimizer step (--accum)", at_least=1)
-    effective_batch: int | None = key(None, "samples per optimizer step over all processes: batch_size x "
-                                      "accum x processes. With batch_size auto, accum is derived to keep it",
-                                      at_least=1)
+    effective_batch: int | None = key(
+        None,
+        "samples per optimizer step over all processes: batch_size x "
+        "accum x processes. With batch_size auto, accum is derived to keep it",
+        at_least=1,
+    )
     max_batch: int = key(64, "the largest micro-batch batch_size: auto tries", at_least=1)
     train_num_steps: int = key(1000, "optimizer steps", at_least=1)
     lr: float = key(1e-4, "learning rate (AdamW)")
@@ -258,10 +299,10 @@ class TrainConfig(Section):
     ema_decay: float = key(0.995, "EMA of the weights (used for sampling)")
     ema_update_every: int = key(1, "optimizer steps between EMA updates", at_least=1)
     ema_start_step: int = key(0, "first step with an EMA update")
-    ema_warmup: bool = key(True, "decay min(ema_decay, (1 + n) / (10 + n)) after n updates: early EMA tracks "
-                           "the model")
-    precision: Literal["fp32", "fp16", "bf16"] = key("fp32", "autocast of the forward pass (fp16: CUDA only, "
-                                                     "with a GradScaler)")
+    ema_warmup: bool = key(True, "decay min(ema_decay, (1 + n) / (10 + n)) after n updates: early EMA tracks the model")
+    precision: Literal["fp32", "fp16", "bf16"] = key(
+        "fp32", "autocast of the forward pass (fp16: CUDA only, with a GradScaler)"
+    )
     device: str = key("auto", "auto, cpu, cuda or cuda:N")
     seed: int = key(0, "the whole run's randomness derives from it", breaks_resume=True)
     results_dir: str | None = key(None, "where checkpoints, logs and samples go (null: runs/<config name>)")
@@ -273,8 +314,11 @@ class TrainConfig(Section):
     milestone_every: int = key(0, "also keep every M-th step's checkpoint (0: none)")
     resume: str = key("auto", "auto (newest valid checkpoint), none, or a checkpoint path")
     overwrite: bool = key(False, "with resume none: delete the folder's checkpoints, logs and samples")
-    max_nonfinite_steps: int = key(10, "consecutive non-finite steps before the run stops (fp16 gets 24 more "
-                                   "for the scaler's back-off)", at_least=1)
+    max_nonfinite_steps: int = key(
+        10,
+        "consecutive non-finite steps before the run stops (fp16 gets 24 more for the scaler's back-off)",
+        at_least=1,
+    )
     compile: bool = key(False, "torch.compile the denoiser")
     quiet: bool = key(False, "no progress bar")
 
@@ -285,8 +329,10 @@ class TrainConfig(Section):
         if self.batch_size != "auto" and self.effective_batch is not None:
             per_process = self.batch_size * self.gradient_accumulate_every
             if self.effective_batch % per_process:
-                raise ConfigError(f"effective_batch: {self.effective_batch} is not batch_size {self.batch_size} × "
-                                  f"accum {self.gradient_accumulate_every} × a number of processes")
+                raise ConfigError(
+                    f"effective_batch: {self.effective_batch} is not batch_size {self.batch_size} × "
+                    f"accum {self.gradient_accumulate_every} × a number of processes"
+                )
         if self.lr <= 0:
             raise ConfigError(f"lr: must be positive, got {self.lr}")
         if not 0.0 <= self.ema_decay < 1.0:
@@ -303,7 +349,8 @@ class TrainConfig(Section):
             raise ConfigError(
                 f"effective_batch: {self.effective_batch} is not batch_size {self.batch_size} × accum "
                 f"{self.gradient_accumulate_every} × {world_size} process(es) = {global_batch} "
-                "(use --batch_size auto to derive the split)")
+                "(use --batch_size auto to derive the split)"
+            )
 
 
 SECTIONS: dict[str, type[Section]] = {
@@ -507,13 +554,14 @@ def add_arguments(parser: argparse.ArgumentParser, shipped: Config | None = None
         for f in fields(cls):
             text = _help(f, section, shipped)
             if hints[f.name] is bool:
-                group.add_argument(f"--{f.name}", dest=f.name, nargs="?", const="true", default=None,
-                                   metavar="BOOL", help=text)
-                group.add_argument(f"--no_{f.name}", dest=f.name, action="store_const", const="false",
-                                   help=f"--{f.name} false")
+                group.add_argument(
+                    f"--{f.name}", dest=f.name, nargs="?", const="true", default=None, metavar="BOOL", help=text
+                )
+                group.add_argument(
+                    f"--no_{f.name}", dest=f.name, action="store_const", const="false", help=f"--{f.name} false"
+                )
             else:
-                group.add_argument(f"--{f.name}", dest=f.name, default=None, metavar=_metavar(hints[f.name]),
-                                   help=text)
+                group.add_argument(f"--{f.name}", dest=f.name, default=None, metavar=_metavar(hints[f.name]), help=text)
     parser.add_argument("--name", default=None, help="run name (default: the config file's stem)")
 
 
@@ -538,8 +586,9 @@ def _values(hint: Any, at_least: float | None) -> str:
     if typing.get_origin(hint) is Literal:
         return ", ".join(f"`{c}`" for c in typing.get_args(hint))
     if typing.get_origin(hint) is list:
-        return "list of " + {bool: "booleans", int: "integers", float: "numbers", str: "strings"}[
-            typing.get_args(hint)[0]]
+        return (
+            "list of " + {bool: "booleans", int: "integers", float: "numbers", str: "strings"}[typing.get_args(hint)[0]]
+        )
     if hint is type(None):
         return "`null`"
     word = {bool: "`true`, `false`", int: "integer", float: "number", str: "string"}[hint]
@@ -560,18 +609,32 @@ def key_table_markdown(shipped: Config | None = None) -> str:
         from .configs import DEFAULT
 
         shipped = load(DEFAULT)
-    header = ["section", "key", "built-in default", "default.yaml", "values", "breaks resume", "invalidates cache",
-              "meaning"]
+    header = [
+        "section",
+        "key",
+        "built-in default",
+        "default.yaml",
+        "values",
+        "breaks resume",
+        "invalidates cache",
+        "meaning",
+    ]
     rows = ["| " + " | ".join(header) + " |", "| --- | --- | --- | --- | --- | :---: | :---: | --- |"]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             demo = getattr(getattr(shipped, section), f.name)
-            cells = [section, f"`{f.name}`", f"`{show(default)}`", f"`{show(demo)}`" if demo != default else "",
-                     _values(hints[f.name], f.metadata.get("at_least")),
-                     "yes" if f.metadata.get("breaks_resume") else "", "yes" if f.metadata.get("cache") else "",
-                     _cell(f.metadata["help"])]
+            cells = [
+                section,
+                f"`{f.name}`",
+                f"`{show(default)}`",
+                f"`{show(demo)}`" if demo != default else "",
+                _values(hints[f.name], f.metadata.get("at_least")),
+                "yes" if f.metadata.get("breaks_resume") else "",
+                "yes" if f.metadata.get("cache") else "",
+                _cell(f.metadata["help"]),
+            ]
             rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -115,8 +115,15 @@ class _Objective:
     def loss_weight(self, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         return None
 
-    def regression_loss(self, model: Denoiser, x_t: torch.Tensor, net_t: torch.Tensor, cond: torch.Tensor | None,
-                        target: torch.Tensor, autocast: Callable[[], object] | None) -> torch.Tensor:
+    def regression_loss(
+        self,
+        model: Denoiser,
+        x_t: torch.Tensor,
+        net_t: torch.Tensor,
+        cond: torch.Tensor | None,
+        target: torch.Tensor,
+        autocast: Callable[[], object] | None,
+    ) -> torch.Tensor:
         """Per-sample mean L1 / L2 between the model output and ``target``; autocast wraps the model alone."""
         if autocast is None:
             out = model(x_t, net_t, cond)
@@ -133,7 +140,9 @@ class _Objective:
 
     def check_sampler(self, sampler: str) -> None:
         if sampler not in self.samplers:
-            raise ValueError(f"unknown sampler {sampler!r} for {type(self).__name__} (choose from {', '.join(self.samplers)})")
+            raise ValueError(
+                f"unknown sampler {sampler!r} for {type(self).__name__} (choose from {', '.join(self.samplers)})"
+            )
 
     def default_steps(self, sampler: str, configured: int | None = None) -> int:
         """The step count of ``sampler`` when the caller names none: ddpm runs every training timestep, the
@@ -159,9 +168,11 @@ class _Objective:
         raise NotImplementedError
 
     @staticmethod
-    def guided(model: Denoiser, guidance_scale: float,
-               autocast: Callable[[], object] | None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    def guided(
+        model: Denoiser, guidance_scale: float, autocast: Callable[[], object] | None
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
         """The model output under classifier-free guidance; one batched evaluation of cond and null."""
+
         def call(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
             if autocast is None:
                 return model(x, t, cond)
@@ -174,6 +185,7 @@ class _Objective:
             both = call(torch.cat([x, x]), torch.cat([t, t]), torch.cat([cond, torch.zeros_like(cond)])).float()
             c, u = both.chunk(2)
             return u + guidance_scale * (c - u)
+
         return predict
 
     @staticmethod
@@ -186,6 +198,7 @@ class _Objective:
             if seeds is None:
                 return torch.randn(tuple(size), generator=gens[0]).to(device)
             return torch.stack([torch.randn(tuple(size[1:]), generator=g) for g in gens]).to(device)
+
         return noise
 
     @torch.no_grad()
@@ -266,10 +279,11 @@ class GaussianDiffusion(_Objective):
         self.snr = (alphas_cumprod / (1 - alphas_cumprod)).float()
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "GaussianDiffusion":
+    def from_config(cls, cfg: Config) -> GaussianDiffusion:
         d = cfg.diffusion
-        return cls(d.timesteps, d.schedule, d.prediction, d.loss, d.min_snr_gamma, d.clip_x0, cfg.train.seed,
-                   d.cond_drop_prob)
+        return cls(
+            d.timesteps, d.schedule, d.prediction, d.loss, d.min_snr_gamma, d.clip_x0, cfg.train.seed, d.cond_drop_prob
+        )
 
     # ---- noising and conversions (all fp32) -------------------------------------------------------
     def _coef(self, table: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -349,8 +363,9 @@ class GaussianDiffusion(_Objective):
         """The timesteps a sampler evaluates the model at (ddpm: all training steps unless told fewer)."""
         return self.plan(sampler, steps).times
 
-    def predict(self, model: Denoiser, x: torch.Tensor, t: int,
-                cond: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict(
+        self, model: Denoiser, x: torch.Tensor, t: int, cond: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x0, eps) at training timestep t from one model call; x0 clipped to [-1, 1] when clip_x0."""
         tt = torch.full((x.shape[0],), t, device=x.device, dtype=torch.long)
         return self.to_x0_eps(x, tt, model(x, tt, cond))
@@ -362,7 +377,7 @@ def shift_time(t: torch.Tensor | float, shift: float):
     return shift * t / (1 + (shift - 1) * t)
 
 
-def resolution_shift(image_size: Sequence[int], base: int = 32 ** 3) -> float:
+def resolution_shift(image_size: Sequence[int], base: int = 32**3) -> float:
     """MONAI's default: the cube root of the voxel count relative to 32³ (1 at 32³, 4 at 128³)."""
     return float((math.prod(int(s) for s in image_size) / base) ** (1 / 3))
 
@@ -397,7 +412,7 @@ class RectifiedFlow(_Objective):
         self.prediction = "flow"
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "RectifiedFlow":
+    def from_config(cls, cfg: Config) -> RectifiedFlow:
         d = cfg.diffusion
         shift = d.flow_shift if d.flow_shift is not None else resolution_shift(cfg.data.image_size)
         return cls(shift, d.loss, d.flow_time_sampling, d.clip_x0, cfg.train.seed, d.cond_drop_prob)

@@ -104,8 +104,9 @@ def resolve_device(request: str, local_rank: int = 0, world_size: int = 1) -> to
         )
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise ValueError(f"environment: LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible "
-                         "(lower --nproc_per_node)")
+        raise ValueError(
+            f"environment: LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible (lower --nproc_per_node)"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -143,8 +144,15 @@ def setup(device_request: str = "auto", timeout: datetime.timedelta = DEFAULT_TI
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         dist.init_process_group("gloo", timeout=timeout)
-    log.info("rank %d of %d (local rank %d on %s) on %s, backend %s",
-             rank, world, local_rank, socket.gethostname(), device, dist.get_backend())
+    log.info(
+        "rank %d of %d (local rank %d on %s) on %s, backend %s",
+        rank,
+        world,
+        local_rank,
+        socket.gethostname(),
+        device,
+        dist.get_backend(),
+    )
     return DistInfo(rank, world, local_rank, device, rank == 0)
 
 
@@ -196,8 +204,12 @@ def write_error_file(exc: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+        }
+    }
     # a unique name per writer: two failing writers to one path never share (or truncate) a temporary file
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.", dir=os.path.dirname(path) or ".")
     try:
@@ -221,8 +233,14 @@ def abort(exc: BaseException, exit_code: int = 1) -> NoReturn:
         write_error_file(exc)
     except Exception as e:  # reporting must never stop the exit below
         log.warning("could not write torchrun's error file: %s", e)
-    log.critical("%s on %s failed, ending the job: %s: %s", _rank_label(), socket.gethostname(),
-                 type(exc).__name__, exc, exc_info=exc)
+    log.critical(
+        "%s on %s failed, ending the job: %s: %s",
+        _rank_label(),
+        socket.gethostname(),
+        type(exc).__name__,
+        exc,
+        exc_info=exc,
+    )
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -156,14 +156,16 @@ def synthetic_cases(cfg: C.Config, n: int = 2, seed: int = 0) -> SyntheticDatase
     return SyntheticDataset(cfg.data.image_size, cfg.image_channels, labels, n, seed)
 
 
-def synthetic_trainer(cfg: C.Config, batch: int, device: torch.device | str = "cpu",
-                      accum: int = PLAN_ACCUM) -> Trainer:
+def synthetic_trainer(
+    cfg: C.Config, batch: int, device: torch.device | str = "cpu", accum: int = PLAN_ACCUM
+) -> Trainer:
     """The Trainer of ``cfg`` at micro-batch ``batch`` × ``accum``, fed synthetic data: its step is the one
     that trains (precision, activation checkpointing, scaler, EMA, optimizer), without compiling (compiling
     every trial size would take minutes), without data workers and with one process (no DDP buckets, so no
     effective_batch to keep: the trial's batch × accum need not give it)."""
-    plan = cfg.override(batch_size=batch, gradient_accumulate_every=accum, effective_batch=None, compile=False,
-                        num_workers=0)
+    plan = cfg.override(
+        batch_size=batch, gradient_accumulate_every=accum, effective_batch=None, compile=False, num_workers=0
+    )
     return Trainer(plan, synthetic_cases(plan), device)
 
 
@@ -264,7 +266,9 @@ def _cuda_trial(cfg: C.Config, device: torch.device, limit_bytes: int | None) ->
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
             ok = limit_bytes is None or peak <= limit_bytes
-            log.info("memory plan: batch %d %s (peak %.2f GiB)", batch, "fits" if ok else "over the limit", peak / 2**30)
+            log.info(
+                "memory plan: batch %d %s (peak %.2f GiB)", batch, "fits" if ok else "over the limit", peak / 2**30
+            )
             return ok
         except torch.cuda.OutOfMemoryError:
             log.info("memory plan: batch %d runs out of memory", batch)
@@ -277,8 +281,9 @@ def _cuda_trial(cfg: C.Config, device: torch.device, limit_bytes: int | None) ->
     return fits
 
 
-def find_max_batch(cfg: C.Config, device: torch.device | str, limit_bytes: int | None = None,
-                   max_batch: int = 64) -> int:
+def find_max_batch(
+    cfg: C.Config, device: torch.device | str, limit_bytes: int | None = None, max_batch: int = 64
+) -> int:
     """The largest micro-batch (≤ max_batch) whose training step fits, at the config's grid, precision and
     activation checkpointing. Raises MemoryPlanError when batch 1 does not fit."""
     device = torch.device(device)
@@ -291,7 +296,10 @@ def find_max_batch(cfg: C.Config, device: torch.device | str, limit_bytes: int |
         limit = limit_bytes if limit_bytes is not None else int(available_cpu_bytes() * CPU_SAFETY_FRACTION)
         mm = fit_memory_model(cfg, device)
         best = mm.largest_batch(limit, max_batch)
-        method = f"the trainer's measured step memory, {mm.per_sample_bytes / 2**20:.1f} MiB per sample, limit {limit / 2**30:.2f} GiB"
+        method = (
+            f"the trainer's measured step memory, {mm.per_sample_bytes / 2**20:.1f} MiB per sample, "
+            f"limit {limit / 2**30:.2f} GiB"
+        )
     if best < 1:
         raise MemoryPlanError(
             f"image_size {cfg.data.image_size}: not even batch 1 fits on {device} ({method}); try "
@@ -329,10 +337,25 @@ def flop_counter() -> FlopCounterMode:
 # Autocast's casting rules (torch's autocast_mode.cpp) for the functions MONAI's UNet calls: these run in
 # the autocast dtype on CUDA and on the CPU; on CUDA these run in fp32 (norms, upsampling, softmax, exp),
 # where the CPU runs them in their input's dtype; every other function runs in its inputs' dtypes.
-_LOWER_PRECISION = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose3d, F.linear, torch.matmul, torch.mm, torch.bmm,
-                    torch.baddbmm, torch.addmm, torch.einsum, torch.Tensor.matmul, torch.Tensor.__matmul__}
-_FP32 = {"cuda": {F.group_norm, F.layer_norm, F.interpolate, F.softmax, F.log_softmax, torch.exp, torch.softmax},
-         "cpu": set()}
+_LOWER_PRECISION = {
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose3d,
+    F.linear,
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.baddbmm,
+    torch.addmm,
+    torch.einsum,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+}
+_FP32 = {
+    "cuda": {F.group_norm, F.layer_norm, F.interpolate, F.softmax, F.log_softmax, torch.exp, torch.softmax},
+    "cpu": set(),
+}
 
 
 class EmulatedAutocast(TorchFunctionMode):
@@ -397,17 +420,26 @@ class EmulatedAutocast(TorchFunctionMode):
         if gradient is not None or inputs is not None or create_graph:
             raise NotImplementedError("EmulatedAutocast: only loss.backward() of a scalar loss is traced")
         with self:
-            _engine_run_backward((loss,), (torch.ones_like(loss),), bool(retain_graph), False, (),
-                                 allow_unreachable=True, accumulate_grad=True)
+            _engine_run_backward(
+                (loss,),
+                (torch.ones_like(loss),),
+                bool(retain_graph),
+                False,
+                (),
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
 
-    def _flash_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                         active: bool = False, **_):
+    def _flash_attention(
+        self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, active: bool = False, **_
+    ):
         if attn_mask is not None:
             raise NotImplementedError("EmulatedAutocast: attention with a mask is not traced")
         if active:
             query, key, value = (self._cast(t, self.dtype) for t in (query, key, value))
-        return _ATEN._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                                scale=scale)[0]
+        return _ATEN._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, scale=scale)[
+            0
+        ]
 
 
 @dataclass
@@ -516,8 +548,17 @@ def grid_multiple(cfg) -> int:
     return factor * (2**cfg.data.wavelet_levels if cfg.data.space == "wavelet" else 1)
 
 
-def table_row(base, image_size: list[int], image_channels: int, space: str, levels: int, precision: str,
-              checkpointing: bool, cards_gb: list[int], max_batch: int = 64) -> TableRow:
+def table_row(
+    base,
+    image_size: list[int],
+    image_channels: int,
+    space: str,
+    levels: int,
+    precision: str,
+    checkpointing: bool,
+    cards_gb: list[int],
+    max_batch: int = 64,
+) -> TableRow:
     """Trace ``base``'s model at one table configuration (batch 1 and 2 on the meta device). A side that the
     space and UNet cannot divide is padded up to the next multiple, as ``resize_mode: pad_crop`` would."""
     cfg = C.from_dict(base.to_dict())
@@ -530,7 +571,14 @@ def table_row(base, image_size: list[int], image_channels: int, space: str, leve
     model, flops = estimate_memory_model(cfg)
     gib = 2**30
     return TableRow(
-        cfg.data.image_size, image_channels, space if space == "pixel" else f"wavelet-{levels}", precision,
-        checkpointing, model.static_bytes / gib, (model.fixed_bytes + model.per_sample_bytes) / gib,
-        model.per_sample_bytes / gib, flops / 1e12,
-        {card: model.largest_batch(card * gib * GPU_HEADROOM, max_batch) for card in cards_gb})
+        cfg.data.image_size,
+        image_channels,
+        space if space == "pixel" else f"wavelet-{levels}",
+        precision,
+        checkpointing,
+        model.static_bytes / gib,
+        (model.fixed_bytes + model.per_sample_bytes) / gib,
+        model.per_sample_bytes / gib,
+        flops / 1e12,
+        {card: model.largest_batch(card * gib * GPU_HEADROOM, max_batch) for card in cards_gb},
+    )

@@ -80,7 +80,9 @@ class Monitor:
     writer is dropped: close() does not raise the same error again over the first.
     """
 
-    def __init__(self, log_dir: Path | None, total_steps: int, start_step: int, quiet: bool, purge_step: int | None = None):
+    def __init__(
+        self, log_dir: Path | None, total_steps: int, start_step: int, quiet: bool, purge_step: int | None = None
+    ):
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.writer = None
         if log_dir is not None:

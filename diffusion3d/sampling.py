@@ -32,14 +32,26 @@ from . import checkpoint as ckpt
 from . import config as C
 from .data import DataError, MaskGrid, check_mask_labels, mask_to_cond, max_volume_bytes, read_volume, save_nifti
 from .diffusion import make_diffusion
-from .seeding import volume_seed
 from .model import build_model
 from .precision import autocast_factory, resolve_precision
+from .seeding import volume_seed
 from .space import make_space
 
 log = logging.getLogger(__name__)
-__all__ = ["Grid", "ModelGridMask", "Recipe", "Sampled", "SamplingError", "generate", "load_for_sampling",
-           "load_mask", "resolve", "to_output_intensity", "volume_seed", "write_volume"]
+__all__ = [
+    "Grid",
+    "ModelGridMask",
+    "Recipe",
+    "Sampled",
+    "SamplingError",
+    "generate",
+    "load_for_sampling",
+    "load_mask",
+    "resolve",
+    "to_output_intensity",
+    "volume_seed",
+    "write_volume",
+]
 
 
 class SamplingError(ValueError):
@@ -64,8 +76,9 @@ def to_output_intensity(volume: np.ndarray, cfg: C.Config) -> np.ndarray:
 
 
 # ---- the model --------------------------------------------------------------------------------------
-def load_for_sampling(path: Path, state: dict | None = None, weights: str = "ema",
-                      device: torch.device | str = "cpu") -> tuple[torch.nn.Module, C.Config, dict]:
+def load_for_sampling(
+    path: Path, state: dict | None = None, weights: str = "ema", device: torch.device | str = "cpu"
+) -> tuple[torch.nn.Module, C.Config, dict]:
     """(model in eval mode on ``device``, the run's config, the checkpoint) from checkpoint file ``path``.
 
     ``state``: the checkpoint when the caller has read it already (a folder's newest valid one), else
@@ -80,7 +93,7 @@ def load_for_sampling(path: Path, state: dict | None = None, weights: str = "ema
     except C.ConfigError as e:
         raise ckpt.CheckpointError(f"{path}: its config cannot be used ({e})") from None
     if weights == "ema":
-        weights_dict = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
+        weights_dict = {k[len("module.") :]: v for k, v in state["ema"].items() if k.startswith("module.")}
     elif weights == "model":
         weights_dict = state["model"]
     else:
@@ -90,7 +103,9 @@ def load_for_sampling(path: Path, state: dict | None = None, weights: str = "ema
         model.load_state_dict(weights_dict)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
-        raise ckpt.CheckpointError(f"{path}: {weights} weights do not fit the model of its config ({first[:200]})") from None
+        raise ckpt.CheckpointError(
+            f"{path}: {weights} weights do not fit the model of its config ({first[:200]})"
+        ) from None
     model.to(device).eval().requires_grad_(False)
     state["path"] = str(path)
     return model, cfg, state
@@ -147,23 +162,30 @@ class Recipe:
     evaluations: int
 
 
-def resolve(cfg: C.Config, sampler: str | None = None, steps: int | None = None,
-            guidance: float | None = None) -> Recipe:
+def resolve(
+    cfg: C.Config, sampler: str | None = None, steps: int | None = None, guidance: float | None = None
+) -> Recipe:
     """The caller's settings, else the config's; steps else the objective's default (the one place:
     ``diffusion.default_steps``). SamplingError for a sampler or guidance the model cannot use."""
     diffusion = make_diffusion(cfg)
     sampler = sampler or cfg.diffusion.sampler
     if sampler not in diffusion.samplers:
-        raise SamplingError("sampler", f"{sampler} does not fit this checkpoint's {cfg.diffusion.prediction} model "
-                            f"(use {' or '.join(diffusion.samplers)})")
+        raise SamplingError(
+            "sampler",
+            f"{sampler} does not fit this checkpoint's {cfg.diffusion.prediction} model "
+            f"(use {' or '.join(diffusion.samplers)})",
+        )
     steps = steps or diffusion.default_steps(sampler, cfg.diffusion.sampling_steps)
     guidance = cfg.diffusion.guidance_scale if guidance is None else float(guidance)
     if guidance != 1.0 and not cfg.model.with_condition:
         raise SamplingError("guidance_scale", "this checkpoint's model is unconditional")
     if guidance != 1.0 and cfg.diffusion.cond_drop_prob <= 0:
         # measured: guidance 1.5 on such a model lowered phantom lesion Dice 0.92 -> 0.86 (docs/performance.md)
-        log.warning("guidance_scale %g: this model was trained without condition dropout (cond_drop_prob 0), "
-                    "so its unconditional prediction is untrained; guidance will likely hurt", guidance)
+        log.warning(
+            "guidance_scale %g: this model was trained without condition dropout (cond_drop_prob 0), "
+            "so its unconditional prediction is untrained; guidance will likely hurt",
+            guidance,
+        )
     return Recipe(sampler, steps, guidance, cfg.diffusion.ddim_eta, diffusion.evaluations(sampler, steps))
 
 
@@ -209,13 +231,23 @@ def generate(
     if isinstance(model, torch.nn.Module):
         model.eval()
     for start in range(0, len(seeds), batch_size):
-        part = list(grids[start:start + batch_size])
+        part = list(grids[start : start + batch_size])
         conds = None
         if cfg.model.with_condition:
             conds = space.cond(torch.stack([g.cond(cfg.data.labels) for g in part]).to(device))
-        z = diffusion.sample(model, (len(part), *shape), conds, recipe.sampler, recipe.steps, recipe.eta, device=device,
-                             autocast=autocast, seeds=seeds[start:start + batch_size], on_step=on_step,
-                             guidance_scale=recipe.guidance)
+        z = diffusion.sample(
+            model,
+            (len(part), *shape),
+            conds,
+            recipe.sampler,
+            recipe.steps,
+            recipe.eta,
+            device=device,
+            autocast=autocast,
+            seeds=seeds[start : start + batch_size],
+            on_step=on_step,
+            guidance_scale=recipe.guidance,
+        )
         x = space.decode(z.float())
         for offset, (grid, volume) in enumerate(zip(part, x.clamp(-1, 1).cpu())):
             yield Sampled(start + offset, volume, grid.invert(volume, fill=-1.0))

@@ -159,8 +159,9 @@ class WaveletSpace:
 
     def latent_shape(self, image_channels: int, image_size: Sequence[int]) -> tuple[int, ...]:
         if any(int(s) % self.factor for s in image_size):
-            raise ValueError(f"image_size {list(image_size)}: must be divisible by {self.factor} for "
-                             f"{self.levels} wavelet level(s)")
+            raise ValueError(
+                f"image_size {list(image_size)}: must be divisible by {self.factor} for {self.levels} wavelet level(s)"
+            )
         return (image_channels * 8**self.levels, *(int(s) // self.factor for s in image_size))
 
 

@@ -61,12 +61,14 @@ def check_free_space(folder: Path, needed: int, what: str) -> None:
     if free < needed:
         raise StorageError(
             f"{folder}: not enough free space for {what}: needs about {needed / 2**20:.1f} MiB, "
-            f"{free / 2**20:.1f} MiB free; free some space and run the same command again", errno.ENOSPC
+            f"{free / 2**20:.1f} MiB free; free some space and run the same command again",
+            errno.ENOSPC,
         )
 
 
-def atomic_write(path: Path | str, write: Callable[[Path], None], what: str, *, tmp_name: str | None = None,
-                 fsync: bool = True) -> None:
+def atomic_write(
+    path: Path | str, write: Callable[[Path], None], what: str, *, tmp_name: str | None = None, fsync: bool = True
+) -> None:
     """``write(tmp)`` fills a temp file in the same folder, which is fsynced and then ``os.replace``d onto
     ``path`` (and the folder fsynced): readers see the old file or the new one, never a part. Any OS
     failure raises StorageError naming ``path`` and ``what``; the temp file is removed. ``tmp_name`` keeps

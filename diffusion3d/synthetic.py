@@ -35,8 +35,7 @@ def rotation(rng: np.random.Generator, max_deg: float = 15.0) -> np.ndarray:
     return r
 
 
-def ellipsoid_radius(grid: np.ndarray, centre: np.ndarray, axes: np.ndarray,
-                     rot: np.ndarray) -> np.ndarray:
+def ellipsoid_radius(grid: np.ndarray, centre: np.ndarray, axes: np.ndarray, rot: np.ndarray) -> np.ndarray:
     """Normalised ellipsoid radius: < 1 inside, 1 on the surface."""
     local = np.einsum("ij,j...->i...", rot.T, grid - centre[:, None, None, None])
     return np.sqrt(sum((local[k] / axes[k]) ** 2 for k in range(3)))
@@ -46,13 +45,13 @@ def smooth_noise(rng: np.random.Generator, size: int, sigma: float = 4.0) -> np.
     """Gaussian-smoothed white noise (via FFT), rescaled to [-1, 1]."""
     f = np.fft.fftfreq(size)
     k2 = f[:, None, None] ** 2 + f[None, :, None] ** 2 + f[None, None, :] ** 2
-    field = np.fft.ifftn(np.fft.fftn(rng.standard_normal((size,) * 3))
-                         * np.exp(-2 * (np.pi * sigma) ** 2 * k2)).real
+    field = np.fft.ifftn(np.fft.fftn(rng.standard_normal((size,) * 3)) * np.exp(-2 * (np.pi * sigma) ** 2 * k2)).real
     return field / np.abs(field).max()
 
 
-def make_case(rng: np.random.Generator, size: int,
-              texture_rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+def make_case(
+    rng: np.random.Generator, size: int, texture_rng: np.random.Generator | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Return (mask uint8, image float32) for one synthetic case.
 
     The geometry is drawn from ``rng`` first; the texture and noise from ``texture_rng`` (default: ``rng``,
@@ -102,8 +101,13 @@ def save(arr: np.ndarray, path: Path) -> None:
 
 
 # ---- any labels, any channels -------------------------------------------------------------------------
-def nested_ellipsoids(rng: np.random.Generator, size: int | Sequence[int], labels: Sequence[int] = (1, 2),
-                      channels: int = 1, noise: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
+def nested_ellipsoids(
+    rng: np.random.Generator,
+    size: int | Sequence[int],
+    labels: Sequence[int] = (1, 2),
+    channels: int = 1,
+    noise: float = 0.02,
+) -> tuple[np.ndarray, np.ndarray]:
     """(mask uint8 [D, H, W], image float32 [channels, D, H, W] in [0, 1]): label ``labels[k]`` fills an
     ellipsoid 0.45^k times the size of the first, all around one jittered centre; intensity 0.02 outside,
     0.1 + 0.8 * label / max(labels) inside, plus independent Gaussian noise per channel."""
@@ -112,7 +116,7 @@ def nested_ellipsoids(rng: np.random.Generator, size: int | Sequence[int], label
     centre = np.array(shape) / 2 + rng.uniform(-1, 1, 3)
     mask = np.zeros(shape, np.uint8)
     for level, label in enumerate(labels):
-        radii = np.array(shape) * rng.uniform(0.3, 0.42, 3) * 0.45 ** level
+        radii = np.array(shape) * rng.uniform(0.3, 0.42, 3) * 0.45**level
         mask[sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii)) <= 1] = label
     top = max(max(labels, default=1), 1)
     clean = np.where(mask > 0, 0.1 + 0.8 * mask.astype(np.float32) / top, 0.02).astype(np.float32)
@@ -120,8 +124,15 @@ def nested_ellipsoids(rng: np.random.Generator, size: int | Sequence[int], label
     return mask, np.clip(image, 0, 1).astype(np.float32)
 
 
-def write_cases(root: Path, size: int | Sequence[int], n: int, labels: Sequence[int] = (1, 2), channels: int = 1,
-                seed: int = 0, spacing: float = SPACING) -> tuple[list[Path], Path]:
+def write_cases(
+    root: Path,
+    size: int | Sequence[int],
+    n: int,
+    labels: Sequence[int] = (1, 2),
+    channels: int = 1,
+    seed: int = 0,
+    spacing: float = SPACING,
+) -> tuple[list[Path], Path]:
     """``n`` pairs ``case_XXX.nii.gz`` of ``nested_ellipsoids``: (one image folder per channel, mask folder)."""
     image_dirs = [root / (f"images_{c}" if channels > 1 else "images") for c in range(channels)]
     mask_dir = root / "masks"
@@ -140,8 +151,9 @@ class SyntheticDataset(torch.utils.data.Dataset):
     """``n`` seeded training items as the cache holds them: ``image`` [C, *size] in [-1, 1] and, with
     ``labels``, ``mask`` [1, *size] uint8 (``nested_ellipsoids``). Needs no files."""
 
-    def __init__(self, size: Sequence[int], channels: int, labels: Sequence[int] | None, n: int = 2,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, size: Sequence[int], channels: int, labels: Sequence[int] | None, n: int = 2, seed: int = 0
+    ) -> None:
         self.items = []
         for i in range(n):
             mask, image = nested_ellipsoids(np.random.default_rng([seed, i]), tuple(size), labels or (1,), channels)

@@ -128,7 +128,9 @@ class Trainer:
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         if self._batches is None:
             pin = self.cfg.data.pin_memory and self.device.type == "cuda"
-            loader = make_loader(self.dataset, self.stream, self.cfg.train.batch_size, self.cfg, pin, self.rank, self.world_size)
+            loader = make_loader(
+                self.dataset, self.stream, self.cfg.train.batch_size, self.cfg, pin, self.rank, self.world_size
+            )
             self._batches = iter(loader)
         batch = next(self._batches)
         x0 = self.space.encode(batch["image"].to(self.device, non_blocking=True))
@@ -217,9 +219,15 @@ class Trainer:
         fp16 = self.scaler.is_enabled()
         limit = self.cfg.train.max_nonfinite_steps + (FP16_BACKOFF_ALLOWANCE if fp16 else 0)
         if fp16:  # the scaler backing off: expected now and then, not alarming
-            log.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.step, self.scaler.get_scale())
+            log.info(
+                "step %d: fp16 gradients overflowed; step skipped, loss scale now %g",
+                self.step,
+                self.scaler.get_scale(),
+            )
         else:
-            log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped", self.step, loss, grad_norm)
+            log.warning(
+                "step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped", self.step, loss, grad_norm
+            )
         if self.nonfinite_run >= limit:
             raise NonFiniteError(
                 f"{self.nonfinite_run} consecutive steps with non-finite loss or gradients (last at step {self.step}); "
@@ -301,8 +309,13 @@ class Trainer:
         """Train to train_num_steps; returns 'finished' or 'interrupted' (a stop was requested)."""
         t = self.cfg.train
         log_dir = self.results_dir / "tb" if (self.results_dir is not None and self.is_main) else None
-        monitor = Monitor(log_dir, t.train_num_steps, self.step, t.quiet or not self.is_main,
-                          purge_step=self.step + 1 if self.step > 0 else None)
+        monitor = Monitor(
+            log_dir,
+            t.train_num_steps,
+            self.step,
+            t.quiet or not self.is_main,
+            purge_step=self.step + 1 if self.step > 0 else None,
+        )
         if self.step == 0:
             monitor.text("config", "```\n" + self.cfg.to_yaml() + "\n```")
             monitor.hparams({**vars(t), **{f"model.{k}": v for k, v in vars(self.cfg.model).items()}})
@@ -329,7 +342,9 @@ class Trainer:
     def _log(self, monitor: Monitor, r: StepResult) -> None:
         t = self.cfg.train
         volumes = t.batch_size * t.gradient_accumulate_every * self.world_size
-        monitor.progress(self.step, {"loss": f"{r.loss:.4f}", "lr": f"{r.lr:.2e}", "vol/s": f"{volumes / r.step_time:.2f}"})
+        monitor.progress(
+            self.step, {"loss": f"{r.loss:.4f}", "lr": f"{r.lr:.2e}", "vol/s": f"{volumes / r.step_time:.2f}"}
+        )
         if self.step % t.log_every != 0:
             return
         values = {
@@ -352,7 +367,9 @@ class Trainer:
         monitor.scalars(self.step, values)
 
 
-def build_trainer(cfg: Config, cases: list, device, results: Path | None, rank: int = 0, world_size: int = 1) -> Trainer:
+def build_trainer(
+    cfg: Config, cases: list, device, results: Path | None, rank: int = 0, world_size: int = 1
+) -> Trainer:
     """Split the cases, cache the training set, and build the Trainer."""
     train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else (results or Path(".")) / "cache"

@@ -50,7 +50,9 @@ class Validator:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
-        volumes = sampling.generate(model, self.cfg, self.grids, self.seeds, batch_size=len(self.cases), device=self.device)
+        volumes = sampling.generate(
+            model, self.cfg, self.grids, self.seeds, batch_size=len(self.cases), device=self.device
+        )
         for sampled in volumes:
             case, grid = self.cases[sampled.index], self.grids[sampled.index]
             written.append(sampling.write_volume(sampled, grid, self.cfg, out_dir / f"{case.name}_sample0.nii.gz"))

@@ -24,9 +24,24 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 # A 2-level 8/16-channel UNet at 16³ with the plain Gaussian recipe (eps, l1, ddim) in fp32 on the CPU.
 TINY = dict(
-    intensity="range", channels=[8, 16], attention_levels=[False, True], num_head_channels=8, norm_num_groups=4,
-    timesteps=50, sampling_steps=5, batch_size=2, gradient_accumulate_every=1, train_num_steps=4, lr=1e-3,
-    save_every=2, sample_every=100, num_samples=1, num_val_cases=1, quiet=True, device="cpu", warmup_steps=0,
+    intensity="range",
+    channels=[8, 16],
+    attention_levels=[False, True],
+    num_head_channels=8,
+    norm_num_groups=4,
+    timesteps=50,
+    sampling_steps=5,
+    batch_size=2,
+    gradient_accumulate_every=1,
+    train_num_steps=4,
+    lr=1e-3,
+    save_every=2,
+    sample_every=100,
+    num_samples=1,
+    num_val_cases=1,
+    quiet=True,
+    device="cpu",
+    warmup_steps=0,
 )
 
 
@@ -41,7 +56,8 @@ def write_nifti(path: Path, array: np.ndarray, affine: np.ndarray | None = None)
 
 
 def phantom(size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(image [D, H, W] in [0, 1], mask): an ellipsoid (1) holding a smaller one (2), ``synthetic.nested_ellipsoids``."""
+    """(image [D, H, W] in [0, 1], mask): an ellipsoid (1) holding a smaller one (2),
+    ``synthetic.nested_ellipsoids``."""
     mask, image = nested_ellipsoids(np.random.default_rng(seed), size)
     return image[0], mask
 
@@ -99,8 +115,9 @@ class Tiny:
         return path
 
 
-def tiny(tmp_path: Path, n: int = 6, size: int = 16, data: Path | bool = True, base: C.Config | None = None,
-         **overrides) -> Tiny:
+def tiny(
+    tmp_path: Path, n: int = 6, size: int = 16, data: Path | bool = True, base: C.Config | None = None, **overrides
+) -> Tiny:
     """The tiny run (``TINY`` on a size³ grid, results in tmp_path/run), with overrides by key name.
 
     data: True writes n phantom pairs to tmp_path/data; a folder uses the images/ and masks/ already in it;

@@ -52,8 +52,9 @@ def test_library_source_never_imports_a_command():
             continue
         parts = path.relative_to(ROOT).with_suffix("").parts
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        bad = sorted(m for m in imported_modules(path, module)
-                     if m.startswith(("diffusion3d.commands", "diffusion3d.__main__")))
+        bad = sorted(
+            m for m in imported_modules(path, module) if m.startswith(("diffusion3d.commands", "diffusion3d.__main__"))
+        )
         offenders += [f"{path.relative_to(ROOT)} imports {m}" for m in bad]
     assert not offenders, offenders
 
@@ -71,13 +72,20 @@ def test_the_check_sees_an_upward_import(tmp_path):
 def test_library_modules_never_import_a_command():
     """Dynamic: every library module, imported in a fresh process, pulls in no command module."""
     library = library_modules()
-    assert {"diffusion3d.trainer", "diffusion3d.sampling", "diffusion3d.evaluation.scores",
-            "diffusion3d.synthetic"} <= set(library)
-    code = ("import sys; " + "; ".join(f"import {m}" for m in library) + "; "
-            "bad = [m for m in sys.modules if m.startswith('diffusion3d.commands') or m == 'diffusion3d.__main__']; "
-            "print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=subprocess_env())
+    assert {
+        "diffusion3d.trainer",
+        "diffusion3d.sampling",
+        "diffusion3d.evaluation.scores",
+        "diffusion3d.synthetic",
+    } <= set(library)
+    code = (
+        "import sys; " + "; ".join(f"import {m}" for m in library) + "; "
+        "bad = [m for m in sys.modules if m.startswith('diffusion3d.commands') or m == 'diffusion3d.__main__']; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env()
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

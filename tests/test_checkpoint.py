@@ -14,8 +14,8 @@ import torch
 
 from diffusion3d import checkpoint as ckpt
 from diffusion3d import storage
-from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover
+from diffusion3d.trainer import build_trainer
 from tests.helpers import ROOT, Tiny, subprocess_env, tiny, tiny_config
 
 
@@ -81,8 +81,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert straight.returncode == 0, straight.stderr[-2000:]
 
     run = tiny_run.results
-    proc = subprocess.Popen(train_cmd(tiny_run), cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        train_cmd(tiny_run), cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not (run / "checkpoints" / "step_00000004.pt").exists():
         time.sleep(0.05)
@@ -215,11 +216,13 @@ def test_resume_rules_on_the_command_line(tmp_path):
 
 
 def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    tiny_run = tiny(tmp_path, sampling_steps=2, train_num_steps=100000, save_every=100000, sample_every=100000,
-                    log_every=1)
+    tiny_run = tiny(
+        tmp_path, sampling_steps=2, train_num_steps=100000, save_every=100000, sample_every=100000, log_every=1
+    )
     run = tiny_run.results
-    proc = subprocess.Popen(train_cmd(tiny_run), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cmd(tiny_run), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not list((run / "tb").glob("events.out.tfevents.*")):
         time.sleep(0.1)

@@ -18,15 +18,18 @@ from diffusion3d.data import transform_key
 from tests.helpers import ROOT, configure
 
 
-@pytest.mark.parametrize("values,message", [
-    (dict(prediction="flow", sampler="ddim"), "sampler: 'ddim' does not fit prediction 'flow'"),
-    (dict(prediction="eps", sampler="heun"), "sampler: 'heun' does not fit prediction 'eps'"),
-    (dict(prediction="flow", sampler="euler", min_snr_gamma=5.0), "min_snr_gamma: applies to Gaussian"),
-    (dict(cond_drop_prob=1.0), "cond_drop_prob: must be in [0, 1)"),
-    (dict(guidance_scale=-1.0), "guidance_scale: must be at least 0"),
-    (dict(guidance_scale=2.0, with_condition=False), "guidance_scale: needs with_condition"),
-    (dict(prediction="flow", sampler="euler", flow_shift=0.0), "flow_shift: must be positive"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (dict(prediction="flow", sampler="ddim"), "sampler: 'ddim' does not fit prediction 'flow'"),
+        (dict(prediction="eps", sampler="heun"), "sampler: 'heun' does not fit prediction 'eps'"),
+        (dict(prediction="flow", sampler="euler", min_snr_gamma=5.0), "min_snr_gamma: applies to Gaussian"),
+        (dict(cond_drop_prob=1.0), "cond_drop_prob: must be in [0, 1)"),
+        (dict(guidance_scale=-1.0), "guidance_scale: must be at least 0"),
+        (dict(guidance_scale=2.0, with_condition=False), "guidance_scale: needs with_condition"),
+        (dict(prediction="flow", sampler="euler", flow_shift=0.0), "flow_shift: must be positive"),
+    ],
+)
 def test_bad_recipe_combinations_are_refused(values, message):
     with pytest.raises(C.ConfigError) as e:
         configure(C.Config(), **values)
@@ -63,21 +66,24 @@ def test_yaml_syntax_error_is_one_line_naming_the_file(tmp_path):
         C.load(tmp_path / "missing.yaml")
 
 
-@pytest.mark.parametrize("key, text, expected", [
-    ("train_num_steps", "7", 7),
-    ("lr", "1e-5", 1e-5),             # YAML 1.1 reads this as a string; a float field takes it
-    ("lr", "2", 2.0),                 # ints widen to floats
-    ("labels", "[1,2,4]", [1, 2, 4]),
-    ("spacing", "[1, 1.5, 2]", [1.0, 1.5, 2.0]),
-    ("spacing", "null", None),
-    ("max_volume_gb", "null", None),
-    ("with_condition", "false", False),
-    ("image_dir", "[a, b]", ["a", "b"]),
-    ("image_dir", "images", "images"),
-    ("batch_size", "auto", "auto"),
-    ("batch_size", "3", 3),
-    ("accum", "4", 4),                # alias of gradient_accumulate_every
-])
+@pytest.mark.parametrize(
+    "key, text, expected",
+    [
+        ("train_num_steps", "7", 7),
+        ("lr", "1e-5", 1e-5),  # YAML 1.1 reads this as a string; a float field takes it
+        ("lr", "2", 2.0),  # ints widen to floats
+        ("labels", "[1,2,4]", [1, 2, 4]),
+        ("spacing", "[1, 1.5, 2]", [1.0, 1.5, 2.0]),
+        ("spacing", "null", None),
+        ("max_volume_gb", "null", None),
+        ("with_condition", "false", False),
+        ("image_dir", "[a, b]", ["a", "b"]),
+        ("image_dir", "images", "images"),
+        ("batch_size", "auto", "auto"),
+        ("batch_size", "3", 3),
+        ("accum", "4", 4),  # alias of gradient_accumulate_every
+    ],
+)
 def test_typed_values_are_coerced(key, text, expected):
     cfg = C.Config()
     C.set_key(cfg, key, C.parse_value(text))
@@ -86,20 +92,23 @@ def test_typed_values_are_coerced(key, text, expected):
     assert value == expected and type(value) is type(expected)
 
 
-@pytest.mark.parametrize("key, text, message", [
-    ("train_num_steps", "two", "train_num_steps: expected an integer, got 'two'"),
-    ("train_num_steps", "2.5", "train_num_steps: expected an integer, got 2.5"),
-    ("lr", "fast", "lr: expected a number, got 'fast'"),
-    ("lr", "true", "lr: expected a number, got True"),
-    ("with_condition", "1", "with_condition: expected true or false, got 1"),
-    ("labels", "3", "labels: expected a list, got 3"),
-    ("labels", "[1,x]", "labels: expected an integer, got 'x'"),
-    ("labels", "null", "labels: expected a list, got None"),
-    ("spacing", "[1,x,2]", "spacing: expected a number, got 'x'"),
-    ("spacing", "wide", "spacing: expected a list or null, got 'wide'"),
-    ("batch_size", "big", "batch_size: expected a positive integer or auto, got 'big'"),
-    ("name", "[a]", "name: expected a string, got ['a']"),
-])
+@pytest.mark.parametrize(
+    "key, text, message",
+    [
+        ("train_num_steps", "two", "train_num_steps: expected an integer, got 'two'"),
+        ("train_num_steps", "2.5", "train_num_steps: expected an integer, got 2.5"),
+        ("lr", "fast", "lr: expected a number, got 'fast'"),
+        ("lr", "true", "lr: expected a number, got True"),
+        ("with_condition", "1", "with_condition: expected true or false, got 1"),
+        ("labels", "3", "labels: expected a list, got 3"),
+        ("labels", "[1,x]", "labels: expected an integer, got 'x'"),
+        ("labels", "null", "labels: expected a list, got None"),
+        ("spacing", "[1,x,2]", "spacing: expected a number, got 'x'"),
+        ("spacing", "wide", "spacing: expected a list or null, got 'wide'"),
+        ("batch_size", "big", "batch_size: expected a positive integer or auto, got 'big'"),
+        ("name", "[a]", "name: expected a string, got ['a']"),
+    ],
+)
 def test_badly_typed_values_are_refused_in_one_line(key, text, message):
     with pytest.raises(C.ConfigError) as e:
         C.set_key(C.Config(), key, C.parse_value(text))
@@ -118,8 +127,20 @@ def _literal_keys() -> list[tuple[str, tuple[str, ...]]]:
 def test_every_choice_key_is_typed():
     """The keys with a fixed set of values carry it in their type (no separate CHOICES table)."""
     assert {name for name, _ in _literal_keys()} == {
-        "unknown_labels", "intensity", "output_intensity", "resize_mode", "cache", "schedule", "prediction",
-        "loss", "sampler", "flow_time_sampling", "lr_schedule", "precision", "space"}
+        "unknown_labels",
+        "intensity",
+        "output_intensity",
+        "resize_mode",
+        "cache",
+        "schedule",
+        "prediction",
+        "loss",
+        "sampler",
+        "flow_time_sampling",
+        "lr_schedule",
+        "precision",
+        "space",
+    }
 
 
 @pytest.mark.parametrize("key, choices", _literal_keys())
@@ -138,7 +159,8 @@ def test_choice_on_the_command_line_exits_2_with_one_error_line(capsys):
         cli.run(["--sampler", "lms"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: sampler: 'lms' is not one of ddim, ddpm, dpmpp2m, euler, heun, euler_a (see train.py --help)"]
+        "error: sampler: 'lms' is not one of ddim, ddpm, dpmpp2m, euler, heun, euler_a (see train.py --help)"
+    ]
 
 
 def test_sections_check_their_own_bounds():
@@ -156,7 +178,7 @@ def test_sections_check_their_own_bounds():
 # ---- --help ----------------------------------------------------------------------------------------
 def test_help_lists_every_key_with_its_meaning_default_and_choices():
     text = " ".join(cli.build_parser().format_help().split())  # what train.py --help prints; argparse wraps lines
-    for name, (section, f) in C.key_index().items():
+    for name, (_section, f) in C.key_index().items():
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         meaning = " ".join(f.metadata["help"].split())
         assert f"--{name} " in text, name
@@ -237,26 +259,58 @@ def test_resume_breaking_keys_come_from_the_metadata():
     """checkpoint.BREAKING_KEYS is derived from key(..., breaks_resume=True): the same keys as the
     hand-written table it replaced, plus the space keys."""
     assert {s: set(k) for s, k in checkpoint.BREAKING_KEYS.items()} == {
-        "model": {"with_condition", "channels", "num_res_blocks", "attention_levels", "num_head_channels",
-                  "norm_num_groups"},
+        "model": {
+            "with_condition",
+            "channels",
+            "num_res_blocks",
+            "attention_levels",
+            "num_head_channels",
+            "norm_num_groups",
+        },
         "diffusion": {"timesteps", "schedule", "prediction"},
-        "data": {"image_dir", "mask_dir", "manifest", "image_suffix", "mask_suffix", "labels", "orientation",
-                 "spacing", "intensity", "lower_percentile", "upper_percentile", "intensity_range", "image_size",
-                 "resize_mode", "num_val_cases", "space", "wavelet_levels"},
+        "data": {
+            "image_dir",
+            "mask_dir",
+            "manifest",
+            "image_suffix",
+            "mask_suffix",
+            "labels",
+            "orientation",
+            "spacing",
+            "intensity",
+            "lower_percentile",
+            "upper_percentile",
+            "intensity_range",
+            "image_size",
+            "resize_mode",
+            "num_val_cases",
+            "space",
+            "wavelet_levels",
+        },
         "train": {"seed"},
     }
     saved, current = C.Config().to_dict(), C.Config().to_dict()
     current["model"]["channels"], current["train"]["lr"] = [8, 16], 0.5
     assert checkpoint.config_differences(saved, current) == (
-        ["model.channels: [32, 64, 64] -> [8, 16]"], ["train.lr: 0.0001 -> 0.5"])
+        ["model.channels: [32, 64, 64] -> [8, 16]"],
+        ["train.lr: 0.0001 -> 0.5"],
+    )
 
 
 def test_cache_keys_come_from_the_metadata_and_the_hash_is_unchanged(monkeypatch):
     """transform_key hashes the keys with key(..., cache=True), in the layout it had before, so disk caches
     built before keep their folder name (the values were computed with the code before the metadata)."""
     assert C.keys_where("cache") == {
-        "data": ("orientation", "spacing", "intensity", "lower_percentile", "upper_percentile", "intensity_range",
-                 "image_size", "resize_mode"),
+        "data": (
+            "orientation",
+            "spacing",
+            "intensity",
+            "lower_percentile",
+            "upper_percentile",
+            "intensity_range",
+            "image_size",
+            "resize_mode",
+        ),
         "model": ("with_condition",),
     }
     breaking = checkpoint.BREAKING_KEYS
@@ -286,6 +340,7 @@ def test_docs_key_table_is_current():
     path = ROOT / C.KEY_TABLE_DOC
     text = path.read_text()
     assert text == C.with_key_table(text, C.key_table_markdown(), str(path)), (
-        f"{C.KEY_TABLE_DOC} is out of date: regenerate it with `python -m diffusion3d.config {C.KEY_TABLE_DOC}`")
+        f"{C.KEY_TABLE_DOC} is out of date: regenerate it with `python -m diffusion3d.config {C.KEY_TABLE_DOC}`"
+    )
     with pytest.raises(C.ConfigError, match="no key table markers"):
         C.with_key_table("# no markers", "| table |")

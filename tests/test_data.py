@@ -202,8 +202,9 @@ def test_modalities_with_different_affines(tmp_path):
     moved[2, 3] = 3.0
     target = write_nifti(tmp_path / "t2" / "a.nii.gz", image, moved)
     write_nifti(tmp_path / "m" / "a.nii.gz", mask)
-    cfg = tiny(tmp_path, data=False, image_dir=[str(tmp_path / "t1"), str(tmp_path / "t2")],
-               mask_dir=str(tmp_path / "m")).cfg
+    cfg = tiny(
+        tmp_path, data=False, image_dir=[str(tmp_path / "t1"), str(tmp_path / "t2")], mask_dir=str(tmp_path / "m")
+    ).cfg
     assert_error_names(cfg, target, "affine differs")
 
 
@@ -215,8 +216,9 @@ def test_check_data_command(tmp_path, capsys):
     bad = run.masks / "case_001.nii.gz"
     good_bytes = bad.read_bytes()
     bad.write_bytes(good_bytes[: len(good_bytes) // 2])
-    proc = subprocess.run([sys.executable, "train.py", *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    proc = subprocess.run(
+        [sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env()
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"error: {bad}: truncated"), proc.stderr
@@ -231,7 +233,13 @@ def test_check_data_command(tmp_path, capsys):
         cli.main(argv)
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for expected in ["cases: 2", "shapes: (16, 16, 16)", "spacings: (1.5, 1.5, 1.5)", "orientations: RAS", "labels: 0: "]:
+    for expected in [
+        "cases: 2",
+        "shapes: (16, 16, 16)",
+        "spacings: (1.5, 1.5, 1.5)",
+        "orientations: RAS",
+        "labels: 0: ",
+    ]:
         assert expected in out, out
     assert not run.results.exists()
 
@@ -290,7 +298,10 @@ def test_manifest_single_and_numbered_image_columns(tmp_path):
     assert len(D.validate(cases, cfg)) == 2
 
     multi = tmp_path / "multi.csv"  # columns deliberately out of order: image_0 must still come first
-    multi.write_text("case,mask,image_1,image_0\n" + "".join(f"c{i},seg/c{i}.nii.gz,t2/c{i}.nii.gz,t1/c{i}.nii.gz\n" for i in range(2)))
+    multi.write_text(
+        "case,mask,image_1,image_0\n"
+        + "".join(f"c{i},seg/c{i}.nii.gz,t2/c{i}.nii.gz,t1/c{i}.nii.gz\n" for i in range(2))
+    )
     cfg = tiny(tmp_path, data=False, manifest=str(multi), intensity="none", image_dir=["t1", "t2"]).cfg
     base = float(phantom(SIZE, 0)[0].mean())
     assert _channel_means(cfg) == pytest.approx([base, base + 10], abs=1e-4)
@@ -302,7 +313,9 @@ def test_manifest_single_and_numbered_image_columns(tmp_path):
     assert cfg.image_channels == 2 and cfg.to_dict()["data"]["image_channels"] == 2
     # a count set by hand is checked against what discovery finds
     cfg = tiny(tmp_path, data=False, manifest=str(multi), intensity="none", image_channels=3).cfg
-    with pytest.raises(D.DataError, match=r"^\S*multi.csv: 2 image channel\(s\) per case, but image_channels is set to 3$"):
+    with pytest.raises(
+        D.DataError, match=r"^\S*multi.csv: 2 image channel\(s\) per case, but image_channels is set to 3$"
+    ):
         D.discover(cfg)
 
 
@@ -323,8 +336,9 @@ def test_manifest_errors_name_the_file(tmp_path):
 def test_unconditional_needs_images_only(tmp_path):
     for i in range(2):
         write_nifti(tmp_path / "img" / f"c{i}.nii.gz", phantom(SIZE, i)[0])
-    cfg = tiny(tmp_path, data=False, image_dir=str(tmp_path / "img"), mask_dir=str(tmp_path / "no_masks"),
-               with_condition=False).cfg
+    cfg = tiny(
+        tmp_path, data=False, image_dir=str(tmp_path / "img"), mask_dir=str(tmp_path / "no_masks"), with_condition=False
+    ).cfg
     cases = D.discover(cfg)
     assert all(c.mask is None for c in cases)
     summaries = D.validate(cases, cfg)
@@ -341,10 +355,21 @@ def test_intensity_per_volume_and_per_channel(tmp_path):
     write_nifti(tmp_path / "a" / "c.nii.gz", ramp)
     write_nifti(tmp_path / "b" / "c.nii.gz", ramp * 1000 + 500)
     write_nifti(tmp_path / "m" / "c.nii.gz", (ramp > 20).astype(np.uint8))
-    cfg = tiny(tmp_path, data=False, image_dir=[str(tmp_path / "a"), str(tmp_path / "b")], mask_dir=str(tmp_path / "m"),
-               intensity="percentile", lower_percentile=0.0, upper_percentile=100.0).cfg
-    out = D.training_transforms(cfg)({"image": [str(tmp_path / "a" / "c.nii.gz"), str(tmp_path / "b" / "c.nii.gz")],
-                                      "mask": str(tmp_path / "m" / "c.nii.gz")})
+    cfg = tiny(
+        tmp_path,
+        data=False,
+        image_dir=[str(tmp_path / "a"), str(tmp_path / "b")],
+        mask_dir=str(tmp_path / "m"),
+        intensity="percentile",
+        lower_percentile=0.0,
+        upper_percentile=100.0,
+    ).cfg
+    out = D.training_transforms(cfg)(
+        {
+            "image": [str(tmp_path / "a" / "c.nii.gz"), str(tmp_path / "b" / "c.nii.gz")],
+            "mask": str(tmp_path / "m" / "c.nii.gz"),
+        }
+    )
     image = out["image"]
     assert image.shape == (2, SIZE, SIZE, SIZE) and not isinstance(image, MetaTensor)
     expected = torch.from_numpy(2 * (ramp - ramp.min()) / (ramp.max() - ramp.min()) - 1)
@@ -357,7 +382,9 @@ def test_intensity_per_volume_and_per_channel(tmp_path):
 def test_padding_is_background(tmp_path):
     run = tiny(tmp_path, n=1, image_size=[20, 20, 20])
     images, masks, cfg = run.images, run.masks, run.cfg
-    item = D.training_transforms(cfg)({"image": str(images / "case_000.nii.gz"), "mask": str(masks / "case_000.nii.gz")})
+    item = D.training_transforms(cfg)(
+        {"image": str(images / "case_000.nii.gz"), "mask": str(masks / "case_000.nii.gz")}
+    )
     assert item["image"].shape == (1, 20, 20, 20)
     assert (item["image"][:, :2] == -1).all() and (item["mask"][:, :2] == 0).all()
     assert float(item["image"].min()) >= -1 and float(item["image"].max()) <= 1
@@ -519,12 +546,16 @@ def _dice(a: np.ndarray, b: np.ndarray) -> float:
     return 2 * float((a & b).sum()) / float(a.sum() + b.sum())
 
 
-@pytest.mark.parametrize("overrides", [{"spacing": [1.5, 1.5, 1.5]}, {"resize_mode": "resize"}], ids=["spacing", "resize"])
+@pytest.mark.parametrize(
+    "overrides", [{"spacing": [1.5, 1.5, 1.5]}, {"resize_mode": "resize"}], ids=["spacing", "resize"]
+)
 def test_roundtrip_resampled_is_close(tmp_path, overrides):
     grid, back, original = _roundtrip(tmp_path, _odd_mask(tmp_path, smooth=True), **overrides)
     assert set(torch.unique(grid.mask).tolist()) == {0, 1, 2}  # nearest neighbour: labels stay labels
     labels = np.rint(back).astype(int)
-    if "spacing" in overrides:  # 1.5 mm over 32 voxels = 48 mm does not cover all 48 × 36 × 60 mm: compare the covered part
+    if (
+        "spacing" in overrides
+    ):  # 1.5 mm over 32 voxels = 48 mm does not cover all 48 × 36 × 60 mm: compare the covered part
         covered = grid.invert(torch.ones(1, 32, 32, 32), fill=0.0)[0] > 0.5
         assert 0.3 < covered.mean() < 1.0
     else:
@@ -539,8 +570,9 @@ def test_real_whole_head_pair(tmp_path):
     if not root.is_dir():
         pytest.skip(f"real data not present at {root}")
     image, mask = root / "image" / "sample_3.nii.gz", root / "mask" / "sample_3.nii.gz"
-    cfg = tiny(tmp_path, data=False, labels=[1, 2], intensity="range", intensity_range=[-1.0, 1.0],
-               image_size=[128] * 3).cfg
+    cfg = tiny(
+        tmp_path, data=False, labels=[1, 2], intensity="range", intensity_range=[-1.0, 1.0], image_size=[128] * 3
+    ).cfg
     (summary,) = D.validate([D.Case("sample_3", [image], mask)], cfg)
     assert summary["shape"] == (128, 128, 128) and summary["orientation"] == "RAS"
     assert set(summary["labels"]) == {0, 1, 2}
@@ -560,8 +592,9 @@ def test_real_brats_case_checks_with_the_brats_config(capsys):
 
     folders = ",".join(str(root / m) for m in ("t1", "t1ce", "t2", "flair"))
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--check_data", "--config", "brats_192", "--image_dir", f"[{folders}]", "--mask_dir",
-                  str(root / "seg")])
+        cli.main(
+            ["--check_data", "--config", "brats_192", "--image_dir", f"[{folders}]", "--mask_dir", str(root / "seg")]
+        )
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for expected in ["cases: 1", "shapes: (192, 192, 144)", "orientations: LPS", ", 1: ", ", 2: ", ", 3: ", ", 4: "]:

@@ -260,8 +260,10 @@ def test_ddim_matches_its_closed_form_at_every_step_count(steps):
         assert expected > 0.95 * S
 
 
-@pytest.mark.parametrize("sampler,steps,eta", [("ddpm", 10, 1.0), ("ddpm", 25, 1.0), ("ddpm", None, 1.0),
-                                                ("ddim", 10, 1.0), ("ddim", 50, 1.0)])
+@pytest.mark.parametrize(
+    "sampler,steps,eta",
+    [("ddpm", 10, 1.0), ("ddpm", 25, 1.0), ("ddpm", None, 1.0), ("ddim", 10, 1.0), ("ddim", 50, 1.0)],
+)
 def test_stochastic_samplers_have_the_right_variance_at_short_step_counts(sampler, steps, eta):
     """Ancestral sampling on a strided subset must use that subset's posterior variance. MONAI's
     DDPMScheduler does not (see the negative control below); the expected std here comes from DDPM's own
@@ -325,8 +327,14 @@ def test_sampling_under_bf16_autocast_returns_fp32():
     d = GaussianDiffusion(50)
     model = ConvDenoiser()
     cond = torch.randn((1, 2, 4, 4, 4))
-    x = d.sample(model, (1, 1, 4, 4, 4), cond, sampler="dpmpp2m", steps=4,
-                 autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    x = d.sample(
+        model,
+        (1, 1, 4, 4, 4),
+        cond,
+        sampler="dpmpp2m",
+        steps=4,
+        autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    )
     assert x.dtype == torch.float32 and torch.isfinite(x).all()
 
 
@@ -453,9 +461,11 @@ def test_condition_dropout_draws_are_split_invariant_and_have_the_right_rate():
 
 def test_the_model_sees_the_null_condition_for_dropped_samples():
     seen = []
+
     def model(x_t, t, cond):
         seen.append(cond.clone())
         return torch.zeros_like(x_t)
+
     d = RectifiedFlow(seed=5, cond_drop_prob=0.5)
     ids = list(range(8))
     d.loss(model, torch.zeros(8, 1, 2, 2, 2), torch.ones(8, 2, 2, 2, 2), ids)
@@ -474,6 +484,7 @@ def test_guidance_scale_one_is_the_conditional_model_and_zero_the_unconditional(
         def model(x, t, c):  # the exact denoiser of N(MU + 0.3, S²) where the condition is set, else N(MU, S²)
             on = (c.flatten(1).abs().sum(1) > 0).view(-1, 1, 1, 1, 1)
             return torch.where(on, shifted(x, t, None), base(x, t, None))
+
     shape = (2, 1, 4, 4, 4)
     cond = torch.ones(2, 2, 4, 4, 4)
     calls = []
@@ -526,18 +537,18 @@ BITWISE_CASES = {
 # the samplers became step classes around one loop (commit b48f963), torch 2.13.0+cpu on x86-64. A torch
 # build that draws other random numbers would change these without any change of ours.
 BITWISE_REFERENCE = {
-    "ddim": (7.159333199262619, 'ab2980859d8c7d38'),
-    "ddim_eta_seeds": (1.746548481285572, 'b752a1d2803cb452'),
-    "ddpm_all": (-2.1457483135163784, '8cb358545d557db2'),
-    "ddpm_strided_guided": (-1.0123363509774208, '1de09751c43f06a1'),
-    "dpmpp2m_guided": (-0.5013993354514241, '8abf8cd89f74573e'),
-    "dpmpp2m_noclip": (0.656028226017952, '77086ba1dfd7ac84'),
-    "dpmpp2m_one": (-7.465299927163869, 'cbe41b78a1831064'),
-    "euler_guided": (4.571371056139469, 'd919e86f83b4c1c6'),
-    "euler_noclip": (2.610705718398094, 'f2d71574ea2843fc'),
-    "heun": (1.055906917899847, '03a02eef35d5c5be'),
-    "heun_noclip_guided": (0.197037935256958, '18f0e4387dbfc939'),
-    "heun_one": (3.171353865414858, '55280e65a07e7aa4'),
+    "ddim": (7.159333199262619, "ab2980859d8c7d38"),
+    "ddim_eta_seeds": (1.746548481285572, "b752a1d2803cb452"),
+    "ddpm_all": (-2.1457483135163784, "8cb358545d557db2"),
+    "ddpm_strided_guided": (-1.0123363509774208, "1de09751c43f06a1"),
+    "dpmpp2m_guided": (-0.5013993354514241, "8abf8cd89f74573e"),
+    "dpmpp2m_noclip": (0.656028226017952, "77086ba1dfd7ac84"),
+    "dpmpp2m_one": (-7.465299927163869, "cbe41b78a1831064"),
+    "euler_guided": (4.571371056139469, "d919e86f83b4c1c6"),
+    "euler_noclip": (2.610705718398094, "f2d71574ea2843fc"),
+    "heun": (1.055906917899847, "03a02eef35d5c5be"),
+    "heun_noclip_guided": (0.197037935256958, "18f0e4387dbfc939"),
+    "heun_one": (3.171353865414858, "55280e65a07e7aa4"),
 }
 
 

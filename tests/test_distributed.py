@@ -73,11 +73,26 @@ def _data(cfg):
 
 
 def _torchrun(mode: str, job: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           __file__, mode, str(job)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        __file__,
+        mode,
+        str(job),
+    ]
     # own session: on a hang the whole tree (torchrun and its workers) is stopped by its group id
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=subprocess_env(PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
@@ -172,6 +187,7 @@ class _Exited(BaseException):
 
 def _abort(exc: Exception, monkeypatch, tracer=None) -> None:
     """abort(exc) as fail_fast calls it (inside the except block), with ``tracer`` on for its duration."""
+
     def fake_exit(code: int) -> None:
         raise _Exited(code)
 
@@ -266,8 +282,17 @@ def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
 def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
     """2 ranks × batch 1 × accum 2 == 1 process × batch 1 × accum 4, step by step; rank 0 alone writes;
     a checkpoint moves between 1 and 2 processes in both directions."""
-    base = tiny_config(tmp_path, batch_size=1, train_num_steps=STEPS, save_every=1, keep_last=STEPS,
-                       sample_every=100, num_samples=1, num_val_cases=1, max_grad_norm=1.0)
+    base = tiny_config(
+        tmp_path,
+        batch_size=1,
+        train_num_steps=STEPS,
+        save_every=1,
+        keep_last=STEPS,
+        sample_every=100,
+        num_samples=1,
+        num_val_cases=1,
+        max_grad_norm=1.0,
+    )
     ref_cfg = copy.deepcopy(base)
     ref_cfg.train.gradient_accumulate_every = ACCUM * WORLD
     ddp_cfg = copy.deepcopy(base)
@@ -298,11 +323,11 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
     # the ranks see disjoint halves of each step's samples, and together the single process's samples
     per_step = ACCUM * WORLD
     for s in range(STEPS):
-        mine = [i for micro in r0["fresh"]["ids"][s * ACCUM:(s + 1) * ACCUM] for i in micro]
-        theirs = [i for micro in r1["fresh"]["ids"][s * ACCUM:(s + 1) * ACCUM] for i in micro]
+        mine = [i for micro in r0["fresh"]["ids"][s * ACCUM : (s + 1) * ACCUM] for i in micro]
+        theirs = [i for micro in r1["fresh"]["ids"][s * ACCUM : (s + 1) * ACCUM] for i in micro]
         assert mine == [s * per_step + 0, s * per_step + 2] and theirs == [s * per_step + 1, s * per_step + 3]
-        local0 = r0["fresh"]["local_losses"][s * ACCUM:(s + 1) * ACCUM].mean().item()
-        local1 = r1["fresh"]["local_losses"][s * ACCUM:(s + 1) * ACCUM].mean().item()
+        local0 = r0["fresh"]["local_losses"][s * ACCUM : (s + 1) * ACCUM].mean().item()
+        local1 = r1["fresh"]["local_losses"][s * ACCUM : (s + 1) * ACCUM].mean().item()
         assert local0 != pytest.approx(local1, rel=1e-3)  # the mean below is not a trivial one
         assert r0["fresh"]["step_losses"][s] == pytest.approx((local0 + local1) / 2, rel=1e-6)
 
@@ -318,7 +343,8 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
     # only rank 0 wrote: checkpoints, TensorBoard, samples; rank 1's results folder was never created
     rank0, rank1 = job / "rank0", job / "rank1"
     assert [p.name for _, p in ckpt.list_checkpoints(rank0 / "checkpoints")] == [
-        ckpt.checkpoint_name(s) for s in range(1, STEPS + 1)]
+        ckpt.checkpoint_name(s) for s in range(1, STEPS + 1)
+    ]
     events = list((rank0 / "tb").glob("events.out.tfevents.*"))  # name: …tfevents.<time>.<host>.<pid>.<n>
     assert events and len({p.name.split(".")[-2] for p in events}) == 1, events  # one writing process
     assert list((rank0 / "samples").rglob("*_sample0.nii.gz"))
@@ -346,7 +372,7 @@ def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path):
     assert "rank 1/2 on" in proc.stdout and FAIL_MESSAGE in proc.stdout, proc.stdout[-4000:]
     # torchrun's own failure summary carries rank 1's message, read from the error file fail_fast wrote
     # (which rank it calls "Root Cause" is decided by whole-second timestamps, so it is not asserted)
-    summary = proc.stdout[proc.stdout.find("ChildFailedError"):]
+    summary = proc.stdout[proc.stdout.find("ChildFailedError") :]
     assert "ChildFailedError" in proc.stdout and FAIL_MESSAGE in summary, proc.stdout[-4000:]
     assert not (tmp_path / "rank0_passed_barrier").exists()
 
@@ -357,7 +383,7 @@ def test_both_ranks_failing_at_once_end_the_job_with_a_message(tmp_path):
     proc = _torchrun("fail_both", tmp_path)
     assert proc.returncode != 0
     assert "JSONDecodeError" not in proc.stdout, proc.stdout[-4000:]  # torchrun's own report did not crash
-    summary = proc.stdout[proc.stdout.find("ChildFailedError"):]
+    summary = proc.stdout[proc.stdout.find("ChildFailedError") :]
     assert "ChildFailedError" in proc.stdout and FAIL_MESSAGE in summary, proc.stdout[-4000:]
 
 
@@ -366,8 +392,19 @@ def test_train_py_under_torchrun_then_resumed_in_one_process(tmp_path):
     """The command line itself under torchrun: rank 0 alone writes; a plain run resumes at the global position."""
     tiny_run = tiny(tmp_path, sampling_steps=2, batch_size=1)
     run, flags, env = tiny_run.results, tiny_run.flags, subprocess_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           "train.py", *flags, "--accum", "1", "--train_num_steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        "train.py",
+        *flags,
+        "--accum",
+        "1",
+        "--train_num_steps",
+        "2",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert proc.stdout.count("# diffusion3d resolved config") == 1  # rank 0 narrates
@@ -375,8 +412,14 @@ def test_train_py_under_torchrun_then_resumed_in_one_process(tmp_path):
     state = ckpt.load(run / "checkpoints" / "step_00000002.pt")
     assert state["samples_seen"] == 2 * WORLD  # 2 steps × batch 1 × accum 1 × 2 processes
 
-    single = subprocess.run([sys.executable, "train.py", *flags, "--accum", "2", "--train_num_steps", "3"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    single = subprocess.run(
+        [sys.executable, "train.py", *flags, "--accum", "2", "--train_num_steps", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     assert "resumed from" in single.stderr and "at step 2 (4 samples seen)" in single.stderr
     assert ckpt.load(run / "checkpoints" / "step_00000003.pt")["samples_seen"] == 6
@@ -389,8 +432,15 @@ def test_batch_size_auto_under_torchrun_writes_a_checkpoint_that_samples(tmp_pat
     refused for not being batch_size × accum)."""
     tiny_run = tiny(tmp_path, batch_size="auto", effective_batch=4, max_batch=1, train_num_steps=1, save_every=1)
     run, masks, env = tiny_run.results, tiny_run.masks, subprocess_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           "train.py", *tiny_run.flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        "train.py",
+        *tiny_run.flags,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     state = ckpt.load(run / "checkpoints" / "step_00000001.pt")
@@ -399,9 +449,30 @@ def test_batch_size_auto_under_torchrun_writes_a_checkpoint_that_samples(tmp_pat
     assert state["samples_seen"] == 4  # one step of the global effective batch
 
     out = tmp_path / "samples"
-    sample = subprocess.run([sys.executable, "-m", "diffusion3d", "sample", "--checkpoint", str(run), "--masks",
-                             str(masks / "case_000.nii.gz"), "--out", str(out), "--steps", "2", "--device", "cpu",
-                             "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    sample = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffusion3d",
+            "sample",
+            "--checkpoint",
+            str(run),
+            "--masks",
+            str(masks / "case_000.nii.gz"),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert sample.returncode == 0, sample.stderr[-3000:]
     assert (out / "case_000_sample0.nii.gz").is_file()
 

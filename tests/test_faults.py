@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from diffusion3d import checkpoint as ckpt
+from diffusion3d import data as D
 from diffusion3d import storage
 from diffusion3d.commands import train as cli
-from diffusion3d import data as D
 from tests.helpers import ROOT, make_dataset, phantom, subprocess_env, tiny, write_nifti
 
 SIZE = 16
@@ -99,8 +99,12 @@ RGBA = np.dtype([("R", "u1"), ("G", "u1"), ("B", "u1"), ("A", "u1")])
 
 @pytest.mark.parametrize(
     "dtype, label, words",
-    [(RGB, "RGB", "colour channels"), (RGBA, "RGBA", "colour channels"),
-     (np.complex64, "complex64", "complex voxels"), (np.complex128, "complex128", "complex voxels")],
+    [
+        (RGB, "RGB", "colour channels"),
+        (RGBA, "RGBA", "colour channels"),
+        (np.complex64, "complex64", "complex voxels"),
+        (np.complex128, "complex128", "complex voxels"),
+    ],
     ids=["rgb", "rgba", "complex64", "complex128"],
 )
 def test_rgb_and_complex_are_refused_before_any_voxel_is_read(tmp_path, monkeypatch, dtype, label, words):
@@ -142,19 +146,23 @@ def test_header_declaring_more_than_the_file_holds(tmp_path, monkeypatch, gz):
     with pytest.raises(D.DataError) as exc:
         D.read_volume(path)
     message = str(exc.value)
-    assert message.startswith(f"{path}: truncated file or wrong header: it declares shape (4000, 4000, 4000) "
-                              "float32 (238.4 GiB)"), message
+    assert message.startswith(
+        f"{path}: truncated file or wrong header: it declares shape (4000, 4000, 4000) float32 (238.4 GiB)"
+    ), message
     assert "\n" not in message
 
 
 def test_ceiling_refuses_a_real_volume_over_max_volume_gb(tmp_path, monkeypatch, capsys):
     images, masks = make_dataset(tmp_path / "data", n=3, size=SIZE)
     never_read_voxels(monkeypatch)
-    code, lines, err = call_main(["--check_data", *args_for(tmp_path / "data", tmp_path / "run",
-                                                            "--max_volume_gb", "1e-6")], capsys)
+    code, lines, err = call_main(
+        ["--check_data", *args_for(tmp_path / "data", tmp_path / "run", "--max_volume_gb", "1e-6")], capsys
+    )
     assert code == 2 and len(lines) == 7, err  # 3 cases × (image, mask) + the summary
-    assert lines[0].startswith(f"error: {images / 'case_000.nii.gz'}: header declares shape (16, 16, 16) float32 "
-                               "(16.0 KiB), over the ceiling of 1.0 KiB per volume (max_volume_gb")
+    assert lines[0].startswith(
+        f"error: {images / 'case_000.nii.gz'}: header declares shape (16, 16, 16) float32 "
+        "(16.0 KiB), over the ceiling of 1.0 KiB per volume (max_volume_gb"
+    )
     assert lines[-1] == "error: 3 of 3 cases are bad; nothing was written"
 
 
@@ -164,7 +172,7 @@ def test_multi_member_gzip_is_measured_not_refused(tmp_path):
     good = write_nifti(tmp_path / "one.nii.gz", image)
     raw = gzip.decompress(good.read_bytes())
     two = tmp_path / "two.nii.gz"
-    two.write_bytes(gzip.compress(raw[: len(raw) - 100]) + gzip.compress(raw[len(raw) - 100:]))
+    two.write_bytes(gzip.compress(raw[: len(raw) - 100]) + gzip.compress(raw[len(raw) - 100 :]))
     _, data = D.read_volume(two)
     np.testing.assert_array_equal(data, image)
 
@@ -181,9 +189,21 @@ def test_check_data_reports_every_bad_file_then_a_summary(tmp_path):
     mask6 = phantom(SIZE, 6)[1]
     mask6[0, 0, 0] = 7
     write_nifti(masks / "case_006.nii.gz", mask6)
-    proc = subprocess.run([sys.executable, "train.py", "--check_data", "--num_workers", "2",
-                           *args_for(tmp_path / "data", tmp_path / "run")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--check_data",
+            "--num_workers",
+            "2",
+            *args_for(tmp_path / "data", tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr
@@ -245,14 +265,17 @@ HOLD = textwrap.dedent("""
 @pytest.mark.slow
 def test_second_run_on_a_folder_stops_and_a_killed_holder_leaves_no_stale_lock(run_copy, capsys):
     data, run = run_copy
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env=subprocess_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = sorted(p.relative_to(run) for p in run.rglob("*"))
         code, lines, err = call_main(args_for(data, run, "--train_num_steps", "4"), capsys)
         assert code == 2, err
-        assert lines == [f"error: {run}: in use by another run (pid {holder.pid}); wait for it to end or use another folder"]
+        assert lines == [
+            f"error: {run}: in use by another run (pid {holder.pid}); wait for it to end or use another folder"
+        ]
         assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written, nothing removed
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -272,18 +295,30 @@ def test_lock_is_exclusive_within_one_process_too(tmp_path):
 
 
 def test_sample_and_evaluate_refuse_an_output_folder_in_use(trained, tmp_path, capsys):
-    from diffusion3d.commands import evaluate
-    from diffusion3d.commands import sample
+    from diffusion3d.commands import evaluate, sample
 
     out = tmp_path / "out"
     with storage.lock_folder(out, "sampling run"):
         with pytest.raises(SystemExit) as exc:
-            sample.main(["--checkpoint", str(trained / "run"), "--masks", str(trained / "data" / "masks"),
-                         "--out", str(out), "--quiet", "--steps", "1"])
+            sample.main(
+                [
+                    "--checkpoint",
+                    str(trained / "run"),
+                    "--masks",
+                    str(trained / "data" / "masks"),
+                    "--out",
+                    str(out),
+                    "--quiet",
+                    "--steps",
+                    "1",
+                ]
+            )
         err = capsys.readouterr().err
         assert exc.value.code == 2
-        assert err.strip().splitlines() == [f"error: {out}: in use by another sampling run (pid {os.getpid()}); "
-                                            "wait for it to end or use another folder"]
+        assert err.strip().splitlines() == [
+            f"error: {out}: in use by another sampling run (pid {os.getpid()}); "
+            "wait for it to end or use another folder"
+        ]
         samples = tmp_path / "samples"
         samples.mkdir()
         shutil.copy(trained / "data" / "images" / "case_000.nii.gz", samples / "case_000_sample0.nii.gz")
@@ -304,10 +339,29 @@ def test_an_output_path_that_is_a_file_is_refused_in_one_line(trained, tmp_path,
     taken.write_text("a user's file")
     runs = {
         "train": lambda: cli.main(args_for(trained / "data", taken, "--train_num_steps", "1")),
-        "sample": lambda: sample.main(["--checkpoint", str(trained / "run"), "--masks", str(trained / "data" / "masks"),
-                                       "--out", str(taken), "--quiet", "--steps", "1"]),
-        "evaluate": lambda: evaluate.main(["--samples", str(trained / "data" / "images"),
-                                           "--images", str(trained / "data" / "images"), "--out", str(taken)]),
+        "sample": lambda: sample.main(
+            [
+                "--checkpoint",
+                str(trained / "run"),
+                "--masks",
+                str(trained / "data" / "masks"),
+                "--out",
+                str(taken),
+                "--quiet",
+                "--steps",
+                "1",
+            ]
+        ),
+        "evaluate": lambda: evaluate.main(
+            [
+                "--samples",
+                str(trained / "data" / "images"),
+                "--images",
+                str(trained / "data" / "images"),
+                "--out",
+                str(taken),
+            ]
+        ),
     }
     for name, run in runs.items():
         with pytest.raises(SystemExit) as exc:
@@ -357,8 +411,10 @@ def test_disk_full_during_a_checkpoint_then_the_same_command_resumes(run_copy, m
     fail_checkpoint_writes(monkeypatch, errno.ENOSPC)
     code, lines, err = call_main(argv, capsys)
     assert code == 1, err
-    assert lines == [f"error: {folder / 'step_00000004.pt'}: cannot write checkpoint: No space left on device "
-                     "(ENOSPC); free some space and run the same command again"]
+    assert lines == [
+        f"error: {folder / 'step_00000004.pt'}: cannot write checkpoint: No space left on device "
+        "(ENOSPC); free some space and run the same command again"
+    ]
     assert "Traceback" not in err
     assert sorted(p.name for p in folder.iterdir()) == ["step_00000002.pt"]  # no temp file, nothing half-written
     assert (folder / "step_00000002.pt").read_bytes() == good
@@ -371,9 +427,13 @@ def test_disk_full_during_a_checkpoint_then_the_same_command_resumes(run_copy, m
 
 @pytest.mark.parametrize(
     "where, err, words",
-    [("write", errno.EIO, "Input/output error (EIO)"), ("fsync", errno.EIO, "Input/output error (EIO)"),
-     ("open", errno.EROFS, "Read-only file system (EROFS)"), ("open", errno.EACCES, "Permission denied (EACCES)"),
-     ("replace", errno.ENOSPC, "No space left on device (ENOSPC)")],
+    [
+        ("write", errno.EIO, "Input/output error (EIO)"),
+        ("fsync", errno.EIO, "Input/output error (EIO)"),
+        ("open", errno.EROFS, "Read-only file system (EROFS)"),
+        ("open", errno.EACCES, "Permission denied (EACCES)"),
+        ("replace", errno.ENOSPC, "No space left on device (ENOSPC)"),
+    ],
 )
 def test_os_errors_while_saving_leave_the_old_checkpoint_and_no_temp(tmp_path, monkeypatch, where, err, words):
     path = tmp_path / "checkpoints" / ckpt.checkpoint_name(1)
@@ -407,12 +467,16 @@ def test_a_save_that_cannot_fit_is_not_started(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "open", lambda *a, **k: opened.append(a), raising=False)
     with pytest.raises(storage.StorageError) as exc:
         ckpt.save_atomic({"x": torch.zeros(2**20)}, path)  # 4 MiB of tensors, 0.5 MiB free
-    assert str(exc.value) == (f"{path.parent}: not enough free space for checkpoint {path.name}: needs about 5.2 MiB, "
-                              "0.5 MiB free; free some space and run the same command again")
+    assert str(exc.value) == (
+        f"{path.parent}: not enough free space for checkpoint {path.name}: needs about 5.2 MiB, "
+        "0.5 MiB free; free some space and run the same command again"
+    )
     assert exc.value.errno == errno.ENOSPC and not opened and not list(path.parent.iterdir())
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders; the EROFS/EACCES cases above inject it")
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes into read-only folders; the EROFS/EACCES cases above inject it"
+)
 def test_read_only_results_folder_for_real(tmp_path):
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -436,8 +500,10 @@ def test_disk_full_while_writing_events(run_copy, monkeypatch, capsys):
     code, lines, err = call_main(args_for(data, run, "--train_num_steps", "4"), capsys)
     assert code == 1, err
     assert len(lines) == 1 and lines[0].startswith(f"error: {run / 'tb'}/events.out.tfevents."), lines
-    assert lines[0].endswith(": cannot write TensorBoard events: No space left on device (ENOSPC); "
-                             "free some space and run the same command again")
+    assert lines[0].endswith(
+        ": cannot write TensorBoard events: No space left on device (ENOSPC); "
+        "free some space and run the same command again"
+    )
     assert ckpt.load_latest_valid(run / "checkpoints")[1]["step"] == 2  # the good checkpoint is untouched
     monkeypatch.undo()
     assert call_main(args_for(data, run, "--train_num_steps", "4"), capsys)[0] == 0
@@ -457,8 +523,10 @@ def test_disk_full_while_writing_the_config(run_copy, monkeypatch, capsys):
     monkeypatch.setattr(Path, "write_text", write_text)
     code, lines, err = call_main(args_for(data, run, "--train_num_steps", "4"), capsys)
     assert code == 1, err
-    assert lines == [f"error: {run / 'config.yaml'}: cannot write the resolved config: No space left on device "
-                     "(ENOSPC); free some space and run the same command again"]
+    assert lines == [
+        f"error: {run / 'config.yaml'}: cannot write the resolved config: No space left on device "
+        "(ENOSPC); free some space and run the same command again"
+    ]
     assert (run / "config.yaml").read_text() == original and no_temp_files(run)
 
 
@@ -474,12 +542,25 @@ def test_disk_full_while_writing_samples(trained, tmp_path, monkeypatch, capsys)
 
     monkeypatch.setattr(nib, "save", save)
     with pytest.raises(SystemExit) as exc:
-        sample.main(["--checkpoint", str(trained / "run"), "--masks", str(trained / "data" / "masks" / "case_000.nii.gz"),
-                     "--out", str(out), "--quiet", "--steps", "1"])
+        sample.main(
+            [
+                "--checkpoint",
+                str(trained / "run"),
+                "--masks",
+                str(trained / "data" / "masks" / "case_000.nii.gz"),
+                "--out",
+                str(out),
+                "--quiet",
+                "--steps",
+                "1",
+            ]
+        )
     err = capsys.readouterr().err
     assert exc.value.code == 1
-    assert err.strip().splitlines() == [f"error: {out / 'case_000_sample0.nii.gz'}: cannot write the NIfTI file: "
-                                        "No space left on device (ENOSPC); free some space and run the same command again"]
+    assert err.strip().splitlines() == [
+        f"error: {out / 'case_000_sample0.nii.gz'}: cannot write the NIfTI file: "
+        "No space left on device (ENOSPC); free some space and run the same command again"
+    ]
     assert sorted(p.name for p in out.iterdir()) == []  # no temp file, no partial sample
 
 
@@ -521,8 +602,13 @@ def test_sigkill_during_a_checkpoint_write(run_copy, capsys):
     one is resumed from, and the next run (holding the lock) removes the orphan."""
     data, run = run_copy
     folder = run / "checkpoints"
-    writer = subprocess.Popen([sys.executable, "-c", KILL_DURING_SAVE, str(folder)], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILL_DURING_SAVE, str(folder)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         assert writer.stdout.readline().strip() == "writing"
     finally:
@@ -565,7 +651,11 @@ def test_checkpoint_with_good_tensors_but_a_garbage_config(run_copy, capsys):
             ckpt.load(folder / ckpt.checkpoint_name(step))
     bad = folder / ckpt.checkpoint_name(5)
     code, lines, err = call_main(args_for(data, run, "--train_num_steps", "4", "--resume", str(bad)), capsys)
-    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {bad}: the checkpoint's config section is unusable")
+    assert (
+        code == 2
+        and len(lines) == 1
+        and lines[0].startswith(f"error: {bad}: the checkpoint's config section is unusable")
+    )
 
     from diffusion3d.commands import sample
 

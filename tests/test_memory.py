@@ -8,16 +8,31 @@ import torch
 
 from diffusion3d import config as C
 from diffusion3d import configs, memory
-from diffusion3d.memory import (MemoryPlanError, find_max_batch, plan_accumulation, search_largest, step_memory,
-                                synthetic_trainer)
+from diffusion3d.memory import (
+    MemoryPlanError,
+    find_max_batch,
+    plan_accumulation,
+    search_largest,
+    step_memory,
+    synthetic_trainer,
+)
 from diffusion3d.monitor import peak_rss_bytes
 from diffusion3d.trainer import Trainer
 from tests.helpers import tiny_config
 
 
-@pytest.mark.parametrize("effective, max_batch, expected", [
-    (8, 8, (8, 1)), (8, 3, (2, 4)), (8, 100, (8, 1)), (7, 4, (1, 7)), (12, 5, (4, 3)), (1, 1, (1, 1)), (6, 1, (1, 6)),
-])
+@pytest.mark.parametrize(
+    "effective, max_batch, expected",
+    [
+        (8, 8, (8, 1)),
+        (8, 3, (2, 4)),
+        (8, 100, (8, 1)),
+        (7, 4, (1, 7)),
+        (12, 5, (4, 3)),
+        (1, 1, (1, 1)),
+        (6, 1, (1, 6)),
+    ],
+)
 def test_plan_accumulation(effective, max_batch, expected):
     batch, accum = plan_accumulation(effective, max_batch)
     assert (batch, accum) == expected and batch * accum == effective and batch <= max_batch
@@ -90,16 +105,22 @@ def test_planning_does_not_touch_the_callers_config(tmp_path):
     assert cfg.to_dict() == before
 
 
-
 # ---- the estimate: the trainer's step traced on the meta device ----------------------------------------
 ESTIMATE_TOLERANCE = 0.01  # relative; measured: 0 bytes apart in fp32, at most 0.04 % in bf16 (CPU rules)
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"activation_checkpointing": True}, {"space": "wavelet"},
-    {"space": "wavelet", "wavelet_levels": 2, "activation_checkpointing": True},
-    {"precision": "bf16"}, {"precision": "bf16", "activation_checkpointing": True},
-], ids=["fp32", "fp32-ckpt", "wavelet1", "wavelet2-ckpt", "bf16", "bf16-ckpt"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"activation_checkpointing": True},
+        {"space": "wavelet"},
+        {"space": "wavelet", "wavelet_levels": 2, "activation_checkpointing": True},
+        {"precision": "bf16"},
+        {"precision": "bf16", "activation_checkpointing": True},
+    ],
+    ids=["fp32", "fp32-ckpt", "wavelet1", "wavelet2-ckpt", "bf16", "bf16-ckpt"],
+)
 def test_meta_trace_agrees_with_the_measured_step(tmp_path, overrides):
     """The estimate traced on the meta device (no memory, no arithmetic) = the live bytes of the same step
     run for real on the CPU at 16³, within ESTIMATE_TOLERANCE. bf16 is replayed with the CPU's autocast
@@ -153,8 +174,9 @@ def test_a_large_grid_is_traced_without_allocating_it(tmp_path):
     assert peak_rss_bytes() - rss < 0.5 * estimate.step_peak_bytes
 
 
-@pytest.mark.parametrize("name, size, card_gib", [("whole_head_128", 128, 16), ("whole_head_128", 256, 40),
-                                                  ("brats_192", None, 24)])
+@pytest.mark.parametrize(
+    "name, size, card_gib", [("whole_head_128", 128, 16), ("whole_head_128", 256, 40), ("brats_192", None, 24)]
+)
 def test_shipped_configs_fit_their_cards(name, size, card_gib):
     """The targets the configs are chosen by (docs/performance.md, "Memory and FLOPs per size"): one
     training sample of whole_head_128 in its wavelet space fits 16 GB at 128³ and 40 GB at 256³, and

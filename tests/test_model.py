@@ -18,8 +18,14 @@ SIZE = 16
 
 def tiny_model(**kwargs) -> Denoiser:
     torch.manual_seed(0)
-    args = dict(image_channels=1, cond_channels=2, channels=[8, 16], attention_levels=[False, True],
-                num_head_channels=8, norm_num_groups=4)
+    args = dict(
+        image_channels=1,
+        cond_channels=2,
+        channels=[8, 16],
+        attention_levels=[False, True],
+        num_head_channels=8,
+        norm_num_groups=4,
+    )
     args.update(kwargs)
     return Denoiser(**args)
 
@@ -163,11 +169,17 @@ def test_tiny_model_overfits_one_phantom_pair():
 
     def eval_loss() -> float:
         with torch.no_grad():
-            return diffusion.loss(model, x0.expand(8, -1, -1, -1, -1), cond.expand(8, -1, -1, -1, -1), eval_ids).mean().item()
+            return (
+                diffusion.loss(model, x0.expand(8, -1, -1, -1, -1), cond.expand(8, -1, -1, -1, -1), eval_ids)
+                .mean()
+                .item()
+            )
 
     start = eval_loss()
     for step in range(30):
-        loss = diffusion.loss(model, x0.expand(2, -1, -1, -1, -1), cond.expand(2, -1, -1, -1, -1), [2 * step, 2 * step + 1])
+        loss = diffusion.loss(
+            model, x0.expand(2, -1, -1, -1, -1), cond.expand(2, -1, -1, -1, -1), [2 * step, 2 * step + 1]
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.mean().backward()
         optimizer.step()

@@ -12,8 +12,16 @@ from diffusion3d.trainer import Trainer
 from tests.helpers import tiny_config
 
 SCALARS_CPU = {
-    "train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "perf/volumes_per_sec", "perf/step_time",
-    "perf/data_wait_fraction", "data/epoch", "data/samples_seen", "mem/rss_gb",
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "train/skipped_steps",
+    "perf/volumes_per_sec",
+    "perf/step_time",
+    "perf/data_wait_fraction",
+    "data/epoch",
+    "data/samples_seen",
+    "mem/rss_gb",
 }  # train/loss_scale exists only in fp16 (CUDA), mem/gpu_max_allocated_gb only on CUDA
 
 

@@ -40,8 +40,23 @@ def site(tmp_path_factory) -> Path:
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "diffusion3d", src / "diffusion3d", ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp / "site"
-    proc = run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-                "--target", str(target), str(src)], cwd=tmp, site=None)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        cwd=tmp,
+        site=None,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return target
 
@@ -49,9 +64,16 @@ def site(tmp_path_factory) -> Path:
 def test_installed_package_ships_its_configs(site, tmp_path):
     assert (site / "diffusion3d" / "configs" / "default.yaml").is_file()
     assert (site / "diffusion3d" / "configs" / "whole_head_128.yaml").is_file()
-    proc = run([sys.executable, "-c", "import diffusion3d, diffusion3d.commands.train as c; from diffusion3d import configs; "
-                "print(diffusion3d.__file__); print(c.DEFAULT_CONFIG); print(configs.find('whole_head_128'))"],
-               cwd=tmp_path, site=site)
+    proc = run(
+        [
+            sys.executable,
+            "-c",
+            "import diffusion3d, diffusion3d.commands.train as c; from diffusion3d import configs; "
+            "print(diffusion3d.__file__); print(c.DEFAULT_CONFIG); print(configs.find('whole_head_128'))",
+        ],
+        cwd=tmp_path,
+        site=site,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     package, default, named = proc.stdout.split()
     for path in (package, default, named):
@@ -64,8 +86,21 @@ def test_installed_package_trains_from_another_folder(site, tmp_path):
     elsewhere = tmp_path / "elsewhere"  # neither the checkout nor the install: the default config is found by name
     elsewhere.mkdir()
     results = tmp_path / "run"
-    flags = ["--train_num_steps", "2", "--image_dir", str(images), "--mask_dir", str(masks), "--results_dir",
-             str(results), "--image_size", "[16,16,16]", "--device", "cpu", "--quiet"]
+    flags = [
+        "--train_num_steps",
+        "2",
+        "--image_dir",
+        str(images),
+        "--mask_dir",
+        str(masks),
+        "--results_dir",
+        str(results),
+        "--image_size",
+        "[16,16,16]",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     proc = run([sys.executable, "-m", "diffusion3d", "train", *flags], cwd=elsewhere, site=site)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (results / "checkpoints" / "step_00000002.pt").is_file()
@@ -74,8 +109,20 @@ def test_installed_package_trains_from_another_folder(site, tmp_path):
 
     script = site / "bin" / "diffusion3d-train"  # the console script pip wrote for this interpreter
     assert script.is_file()
-    proc = run([str(script), "--check_data", "--config", "whole_head_128", "--image_dir", str(images),
-                "--mask_dir", str(masks)], cwd=elsewhere, site=site)
+    proc = run(
+        [
+            str(script),
+            "--check_data",
+            "--config",
+            "whole_head_128",
+            "--image_dir",
+            str(images),
+            "--mask_dir",
+            str(masks),
+        ],
+        cwd=elsewhere,
+        site=site,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cases: 4" in proc.stdout
     assert not list(elsewhere.iterdir())  # --check_data writes nothing

@@ -11,13 +11,16 @@ import torch
 from diffusion3d.precision import autocast_factory, resolve_precision
 
 
-@pytest.mark.parametrize("requested, device, expected, warns", [
-    ("fp32", "cpu", "fp32", False),
-    ("bf16", "cpu", "bf16", False),
-    ("fp16", "cpu", "fp32", True),  # fp16 exists only on CUDA
-    ("fp16", "cuda", "fp16", False),
-    ("bf16", "cuda:1", "bf16", False),
-])
+@pytest.mark.parametrize(
+    "requested, device, expected, warns",
+    [
+        ("fp32", "cpu", "fp32", False),
+        ("bf16", "cpu", "bf16", False),
+        ("fp16", "cpu", "fp32", True),  # fp16 exists only on CUDA
+        ("fp16", "cuda", "fp16", False),
+        ("bf16", "cuda:1", "bf16", False),
+    ],
+)
 def test_resolution_table(caplog, requested, device, expected, warns):
     with caplog.at_level(logging.WARNING):
         assert resolve_precision(requested, torch.device(device)) == expected
@@ -48,7 +51,9 @@ def test_bf16_autocasts_on_the_cpu_too():
     with factory():
         assert torch.is_autocast_enabled("cpu")
     assert _matmul_dtype(factory) == torch.bfloat16
-    assert _matmul_dtype(factory) == _matmul_dtype(autocast_factory("bf16", torch.device("cpu")))  # new context each call
+    assert _matmul_dtype(factory) == _matmul_dtype(
+        autocast_factory("bf16", torch.device("cpu"))
+    )  # new context each call
 
 
 def test_the_factory_takes_the_precision_as_given():

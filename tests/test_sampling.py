@@ -11,10 +11,10 @@ from diffusion3d import checkpoint as ckpt
 from diffusion3d import config as C
 from diffusion3d import sampling
 from diffusion3d import space as S
-from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover
 from diffusion3d.diffusion import SAMPLERS, GaussianDiffusion, RectifiedFlow
 from diffusion3d.model import build_model
+from diffusion3d.trainer import build_trainer
 from tests.helpers import tiny_config, write_nifti
 
 
@@ -63,8 +63,9 @@ def test_wavelet_model_samples_subbands_and_generate_decodes_them(tmp_path, leve
     space = S.make_space(cfg)
     cond = space.cond(grid.cond(cfg.data.labels)[None])
     assert cond.shape == (1, 2 * 8**levels, *[16 // 2**levels] * 3)
-    latent = RectifiedFlow.from_config(cfg).sample(model, (1, *space.latent_shape(1, [16] * 3)), cond, "euler", 2,
-                                                   seeds=[11])
+    latent = RectifiedFlow.from_config(cfg).sample(
+        model, (1, *space.latent_shape(1, [16] * 3)), cond, "euler", 2, seeds=[11]
+    )
     (out,) = sampling.generate(model, cfg, [grid], [11], sampler="euler", steps=2)
     assert out.model_grid.shape == (1, 16, 16, 16)
     torch.testing.assert_close(out.model_grid, space.decode(latent).clamp(-1, 1)[0], rtol=0, atol=0)
@@ -124,7 +125,10 @@ def test_steps_and_sampler_are_resolved_in_one_place(tmp_path):
         sampling.resolve(cfg, "euler")
     assert e.value.key == "sampler"
     # without a config the objective's table decides (the benchmark's defaults)
-    gauss, flow = GaussianDiffusion.from_config(cfg), RectifiedFlow.from_config(tiny_config(tmp_path / "f", prediction="flow", sampler="euler"))
+    gauss, flow = (
+        GaussianDiffusion.from_config(cfg),
+        RectifiedFlow.from_config(tiny_config(tmp_path / "f", prediction="flow", sampler="euler")),
+    )
     defaults = {name: spec.default_steps for name, spec in SAMPLERS.items()}
     assert [gauss.default_steps(s) for s in ("ddim", "ddpm", "dpmpp2m")] == [defaults["ddim"], 50, defaults["dpmpp2m"]]
     assert flow.default_steps("heun") == defaults["heun"] and flow.default_steps("heun", 5) == 5
@@ -141,7 +145,9 @@ def test_guidance_needs_a_conditional_model(tmp_path):
     assert e.value.key == "guidance_scale"
 
 
-@pytest.mark.parametrize("precision, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float32)])
+@pytest.mark.parametrize(
+    "precision, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float32)]
+)
 def test_generate_runs_the_runs_precision_resolved_for_the_device(untrained, precision, expected):
     """bf16 autocasts on the CPU (as training did); fp16 does not exist there, so it samples in fp32."""
     model, cfg = untrained
@@ -185,6 +191,7 @@ def test_volume_seed_depends_on_seed_case_and_index_only():
 def test_guidance_on_a_model_trained_without_dropout_warns(tmp_path, caplog):
     from diffusion3d import sampling
     from tests.helpers import tiny_config
+
     cfg = tiny_config(tmp_path, prediction="flow", sampler="heun", loss="l2", cond_drop_prob=0.0)
     with caplog.at_level("WARNING", logger="diffusion3d.sampling"):
         assert sampling.resolve(cfg, guidance=1.0).guidance == 1.0

@@ -103,8 +103,15 @@ def test_bad_shapes_and_settings_are_refused():
 
 
 def test_config_keys_choose_the_space_and_check_divisibility():
-    cfg = configure(C.Config(), channels=[8, 16, 16], attention_levels=[False, False, False], norm_num_groups=4,
-                    image_size=[32, 32, 16], space="wavelet", wavelet_levels=2)
+    cfg = configure(
+        C.Config(),
+        channels=[8, 16, 16],
+        attention_levels=[False, False, False],
+        norm_num_groups=4,
+        image_size=[32, 32, 16],
+        space="wavelet",
+        wavelet_levels=2,
+    )
     space = S.make_space(cfg)
     assert isinstance(space, S.WaveletSpace) and space.levels == 2
     assert isinstance(S.make_space(C.Config()), S.PixelSpace)

@@ -7,9 +7,8 @@ import logging
 import pytest
 import torch
 
-from diffusion3d.trainer import build_trainer
 from diffusion3d.data import discover, mask_to_cond
-from diffusion3d.trainer import NonFiniteError, ema_decay_at, lr_at
+from diffusion3d.trainer import NonFiniteError, build_trainer, ema_decay_at, lr_at
 from tests.helpers import tiny_config
 
 
@@ -82,15 +81,23 @@ def test_accumulation_invariance_in_wavelet_space(tmp_path, levels):
     would hide the invariance behind optimizer noise in an end-to-end weight comparison."""
     trainers = []
     for i, (bs, accum) in enumerate([(4, 1), (1, 4), (2, 2)]):
-        cfg = tiny_config(tmp_path / str(i), batch_size=bs, gradient_accumulate_every=accum, max_grad_norm=1e9,
-                          space="wavelet", wavelet_levels=levels)
+        cfg = tiny_config(
+            tmp_path / str(i),
+            batch_size=bs,
+            gradient_accumulate_every=accum,
+            max_grad_norm=1e9,
+            space="wavelet",
+            wavelet_levels=levels,
+        )
         trainer = trainer_for(cfg)
         assert trainer.model.image_channels == 8**levels
         grads: list[torch.Tensor] = []
         step = trainer._optimizer_step
         model = trainer.model
         trainer._optimizer_step = lambda finite, step=step, grads=grads, model=model: (
-            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()])), step(finite))
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()])),
+            step(finite),
+        )
         trainers.append((trainer, grads))
     reference = trainers[0][0]
     for _ in range(3):
@@ -223,8 +230,14 @@ def test_lr_warmup_and_cosine_count_optimizer_steps(tmp_path):
     assert lr_at(100, 1.0, 4, 100, "cosine", 0.1) == pytest.approx(0.1)
     lrs = {}
     for accum in (1, 3):
-        cfg = tiny_config(tmp_path / str(accum), batch_size=1, gradient_accumulate_every=accum, warmup_steps=2,
-                          lr_schedule="cosine", train_num_steps=4)
+        cfg = tiny_config(
+            tmp_path / str(accum),
+            batch_size=1,
+            gradient_accumulate_every=accum,
+            warmup_steps=2,
+            lr_schedule="cosine",
+            train_num_steps=4,
+        )
         trainer = trainer_for(cfg)
         lrs[accum] = [trainer.train_step().lr for _ in range(3)]
     assert lrs[1] == lrs[3]

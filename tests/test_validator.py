@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import nibabel as nib
 import numpy as np
 import pytest
@@ -29,8 +28,9 @@ class FakeMonitor:
 @pytest.mark.parametrize("conditional, space", [(True, "pixel"), (False, "pixel"), (True, "wavelet")])
 def test_cases_load_once_and_each_validation_reads_no_file(tmp_path, monkeypatch, conditional, space):
     """... and in wavelet space the montage and the files hold the decoded volume on the model / mask grid."""
-    cfg = tiny_config(tmp_path, with_condition=conditional, num_val_cases=2, num_samples=2, sampling_steps=2,
-                      space=space)
+    cfg = tiny_config(
+        tmp_path, with_condition=conditional, num_val_cases=2, num_samples=2, sampling_steps=2, space=space
+    )
     _, val = split_cases(discover(cfg), cfg.data.num_val_cases)
     validator = Validator(cfg, val, "cpu")
 

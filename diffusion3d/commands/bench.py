@@ -38,18 +38,26 @@ import torch
 
 from .. import config as C
 from .. import configs
-from .common import (InputError, OneLineParser, comma_list, configure_logging, device_flag, int_list, run_command,
-                     write_json)
 from ..data import SampleStream, build_dataset, discover, make_loader
 from ..diffusion import SAMPLERS, make_diffusion
-from ..monitor import current_rss_bytes, peak_rss_bytes
 from ..memory import estimate_step, flop_counter, measure_step, step_memory, synthetic_cases, table_row
-from ..synthetic import write_cases
 from ..model import build_model, count_parameters
+from ..monitor import current_rss_bytes, peak_rss_bytes
 from ..precision import autocast_factory
 from ..sampling import ModelGridMask, generate
 from ..space import make_space
+from ..synthetic import write_cases
 from ..trainer import Trainer
+from .common import (
+    InputError,
+    OneLineParser,
+    comma_list,
+    configure_logging,
+    device_flag,
+    int_list,
+    run_command,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +114,13 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, device_memory_gb=props.total_memory / 2**30,
-                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                    peak_bf16_tflops=peak_tflops(props.name))
+        info.update(
+            device_name=props.name,
+            device_memory_gb=props.total_memory / 2**30,
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            peak_bf16_tflops=peak_tflops(props.name),
+        )
     else:
         info["device_name"] = _cpu_name()
     return info
@@ -124,18 +136,42 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def bench_config(base: C.Config, size: int, data: tuple[list[Path], Path], precision: str = "fp32",
-                 checkpointing: bool = False, batch_size: int = 1, accum: int = 1, cache: str = "memory") -> C.Config:
+def bench_config(
+    base: C.Config,
+    size: int,
+    data: tuple[list[Path], Path],
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    batch_size: int = 1,
+    accum: int = 1,
+    cache: str = "memory",
+) -> C.Config:
     """The base config's model and diffusion on the synthetic data at ``size``³."""
     image_dirs, mask_dir = data
     try:
         return base.override(
             image_dir=str(image_dirs[0]) if len(image_dirs) == 1 else [str(p) for p in image_dirs],
-            mask_dir=str(mask_dir), manifest=None, image_suffix="", mask_suffix="", image_size=[size] * 3,
-            spacing=None, intensity="range", intensity_range=[0.0, 1.0], cache=cache, num_val_cases=0,
-            unknown_labels="error", activation_checkpointing=checkpointing, precision=precision,
-            batch_size=batch_size, gradient_accumulate_every=accum, results_dir=None, quiet=True, compile=False,
-            warmup_steps=0, train_num_steps=10**9)
+            mask_dir=str(mask_dir),
+            manifest=None,
+            image_suffix="",
+            mask_suffix="",
+            image_size=[size] * 3,
+            spacing=None,
+            intensity="range",
+            intensity_range=[0.0, 1.0],
+            cache=cache,
+            num_val_cases=0,
+            unknown_labels="error",
+            activation_checkpointing=checkpointing,
+            precision=precision,
+            batch_size=batch_size,
+            gradient_accumulate_every=accum,
+            results_dir=None,
+            quiet=True,
+            compile=False,
+            warmup_steps=0,
+            train_num_steps=10**9,
+        )
     except C.ConfigError as e:
         raise InputError(f"size {size}: {e}") from None
 
@@ -198,19 +234,34 @@ def measure_training(cfg: C.Config, device: torch.device, warmup: int, repeats: 
     return out
 
 
-def run_isolated(cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool,
-                 workdir: Path) -> dict[str, Any]:
+def run_isolated(
+    cfg: C.Config, device: torch.device, warmup: int, repeats: int, estimate: bool, workdir: Path
+) -> dict[str, Any]:
     """measure_training in a fresh interpreter, so its peak RSS belongs to this configuration alone."""
     spec = workdir / f"spec_{time.monotonic_ns()}.json"
     out = spec.with_suffix(".out.json")
-    spec.write_text(json.dumps({"config": cfg.to_dict(), "device": str(device), "warmup": warmup,
-                                "threads": torch.get_num_threads(),
-                                "repeats": repeats, "estimate": estimate, "out": str(out)}))
+    spec.write_text(
+        json.dumps(
+            {
+                "config": cfg.to_dict(),
+                "device": str(device),
+                "warmup": warmup,
+                "threads": torch.get_num_threads(),
+                "repeats": repeats,
+                "estimate": estimate,
+                "out": str(out),
+            }
+        )
+    )
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # the folder that holds the diffusion3d package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "diffusion3d.commands.bench", "--_worker", str(spec)],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffusion3d.commands.bench", "--_worker", str(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"{spec}: benchmark subprocess failed (exit {proc.returncode}): {tail[0]}")
@@ -242,8 +293,9 @@ class _TimedModel(torch.nn.Module):
         return out
 
 
-def measure_sampling(cfg: C.Config, device: torch.device, sampler: str, steps: int | None, max_steps: int | None,
-                     repeats: int) -> dict[str, Any]:
+def measure_sampling(
+    cfg: C.Config, device: torch.device, sampler: str, steps: int | None, max_steps: int | None, repeats: int
+) -> dict[str, Any]:
     """Seconds per volume (batch 1) for ``steps`` sampling steps (None: the sampler's default, 0: every
     training timestep); with ``max_steps`` < steps, that many steps run and the time is scaled by
     steps / steps_run (each step is one model evaluation). Runs ``sampling.generate``, as the command does."""
@@ -266,7 +318,9 @@ def measure_sampling(cfg: C.Config, device: torch.device, sampler: str, steps: i
         timed.times.clear()
         sync(device)
         start = time.perf_counter()
-        for _ in generate(timed, cfg, [grid], [cfg.train.seed], sampler=sampler, steps=run_steps, batch_size=1, device=device):
+        for _ in generate(
+            timed, cfg, [grid], [cfg.train.seed], sampler=sampler, steps=run_steps, batch_size=1, device=device
+        ):
             pass
         sync(device)
         totals.append(time.perf_counter() - start)
@@ -296,8 +350,14 @@ def measure_loader(cfg: C.Config, warmup: int, repeats: int) -> dict[str, Any]:
         next(loader)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return {"cached": cfg.data.cache == "memory", "s_per_batch": median(times), "batch_times_s": times,
-            "cache_build_s": build, "batch_size": cfg.train.batch_size, "cases": len(cases)}
+    return {
+        "cached": cfg.data.cache == "memory",
+        "s_per_batch": median(times),
+        "batch_times_s": times,
+        "cache_build_s": build,
+        "batch_size": cfg.train.batch_size,
+        "cases": len(cases),
+    }
 
 
 def measure_startup(cfg: C.Config, workers: int) -> dict[str, Any]:
@@ -312,8 +372,13 @@ def measure_startup(cfg: C.Config, workers: int) -> dict[str, Any]:
     validated = time.perf_counter()
     build_dataset(cases, cfg, None)
     built = time.perf_counter()
-    return {"cases": len(cases), "workers": workers, "validate_s": validated - start, "cache_build_s": built - validated,
-            "startup_s": built - start}
+    return {
+        "cases": len(cases),
+        "workers": workers,
+        "validate_s": validated - start,
+        "cache_build_s": built - validated,
+        "startup_s": built - start,
+    }
 
 
 # ---- the command line ------------------------------------------------------------------------------
@@ -338,8 +403,11 @@ def _sampling_steps(text: str | None) -> dict[str, int | None]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m diffusion3d bench", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None,
-                   help="YAML config whose model/diffusion to measure: a path or a bundled config's name (default: default)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML config whose model/diffusion to measure: a path or a bundled config's name (default: default)",
+    )
     p.add_argument("--sizes", default="32,64,128", help="grid sizes (cubes) for training, comma-separated")
     p.add_argument("--precisions", default="auto", help="auto (all the device supports) or e.g. fp32,bf16")
     p.add_argument("--batch_size", default=None, help="micro-batch size(s), comma-separated (default: the config's)")
@@ -347,39 +415,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
     p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
-    p.add_argument("--parts", default="train,sampling",
-                   help="what to measure: train, sampling, loader; or quality alone (time to quality: see "
-                   "python -m diffusion3d bench --parts quality --help)")
+    p.add_argument(
+        "--parts",
+        default="train,sampling",
+        help="what to measure: train, sampling, loader; or quality alone (time to quality: see "
+        "python -m diffusion3d bench --parts quality --help)",
+    )
     p.add_argument("--loader", action="store_true", help="also measure the loader (cached vs uncached)")
     p.add_argument("--sampling", default="auto", help="samplers to time (auto: all of the config's objective), or none")
-    p.add_argument("--sampling_steps", default=None, help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's "
-                   "sampling_steps for its sampler, else its default in diffusion.SAMPLERS)")
-    p.add_argument("--sampling_max_steps", type=int, default=None,
-                   help="run at most this many steps and scale the time up (reported as extrapolated)")
+    p.add_argument(
+        "--sampling_steps",
+        default=None,
+        help="e.g. ddpm=all,ddim=50,heun=5 (default: the config's "
+        "sampling_steps for its sampler, else its default in diffusion.SAMPLERS)",
+    )
+    p.add_argument(
+        "--sampling_max_steps",
+        type=int,
+        default=None,
+        help="run at most this many steps and scale the time up (reported as extrapolated)",
+    )
     p.add_argument("--sampling_sizes", default=None, help="sizes for sampling (default: the smallest of --sizes)")
     p.add_argument("--sampling_repeats", type=int, default=1, help="timed sampling runs per figure")
     p.add_argument("--loader_sizes", default=None, help="sizes for the loader (default: --sizes)")
     p.add_argument("--startup_cases", type=int, default=100, help="--parts startup: synthetic cases (default 100)")
     p.add_argument("--startup_size", type=int, default=128, help="--parts startup: their size (cube, default 128)")
-    p.add_argument("--startup_workers", default="1,2", help="--parts startup: validation processes to compare (1: in this process; default 1,2)")
-    p.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
-                   help="each training configuration in a fresh process (auto: on for CPU, where RSS is the memory measure)")
+    p.add_argument(
+        "--startup_workers",
+        default="1,2",
+        help="--parts startup: validation processes to compare (1: in this process; default 1,2)",
+    )
+    p.add_argument(
+        "--isolate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="each training configuration in a fresh process (auto: on for CPU, where RSS is the memory measure)",
+    )
     p.add_argument("--no_estimate", action="store_true", help="skip the allocator-free step-memory measurement")
-    p.add_argument("--table_sizes", default="64,128,256,192x192x144:4",
-                   help="--parts memory_table: grids (N for N³, or DxHxW) with :C image channels (default 1)")
+    p.add_argument(
+        "--table_sizes",
+        default="64,128,256,192x192x144:4",
+        help="--parts memory_table: grids (N for N³, or DxHxW) with :C image channels (default 1)",
+    )
     p.add_argument("--table_spaces", default="pixel,wavelet1,wavelet2", help="--parts memory_table: spaces")
-    p.add_argument("--table_precisions", default="fp16,bf16",
-                   help="--parts memory_table: precisions, replayed with CUDA's autocast rules on any machine")
+    p.add_argument(
+        "--table_precisions",
+        default="fp16,bf16",
+        help="--parts memory_table: precisions, replayed with CUDA's autocast rules on any machine",
+    )
     p.add_argument("--table_cards", default="16,24,40,80", help="--parts memory_table: GPU memory sizes in GiB")
-    p.add_argument("--check_sizes", default="32,64",
-                   help="--parts memory_check: cube sizes where the meta trace (CPU autocast rules) is compared with "
-                   "the step run for real on the CPU, for --table_spaces × fp32,bf16 × --checkpointing")
+    p.add_argument(
+        "--check_sizes",
+        default="32,64",
+        help="--parts memory_check: cube sizes where the meta trace (CPU autocast rules) is compared with "
+        "the step run for real on the CPU, for --table_spaces × fp32,bf16 × --checkpointing",
+    )
     p.add_argument("--json", default=None, help="also write the results here as JSON")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice); on a shared CPU fewer threads can be much faster")
-    p.add_argument("--quick", action="store_true",
-                   help="1 repeat, 1 warm-up, sampling capped at 4 steps (extrapolated), 2 loader batches")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice); on a shared CPU fewer threads can be much faster",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 repeat, 1 warm-up, sampling capped at 4 steps (extrapolated), 2 loader batches",
+    )
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -430,8 +533,10 @@ def _resolve_samplers(text: str, base: C.Config) -> list[str]:
         if s not in SAMPLERS:
             raise InputError(f"--sampling: unknown sampler {s!r} (choose from {', '.join(fitting)}, auto or none)")
         if s not in fitting:
-            raise InputError(f"--sampling: {s} does not fit prediction {base.diffusion.prediction} "
-                             f"(choose from {', '.join(fitting)}, auto or none)")
+            raise InputError(
+                f"--sampling: {s} does not fit prediction {base.diffusion.prediction} "
+                f"(choose from {', '.join(fitting)}, auto or none)"
+            )
     return samplers
 
 
@@ -459,17 +564,23 @@ def resolve_args(args: argparse.Namespace) -> Plan:
     _check_counts(args)
     sizes = _int_list(args.sizes, "sizes")
     return Plan(
-        base=base, device=device, precisions=_resolve_precisions(args.precisions, device), sizes=sizes,
+        base=base,
+        device=device,
+        precisions=_resolve_precisions(args.precisions, device),
+        sizes=sizes,
         batch_sizes=_int_list(args.batch_size, "batch_size") if args.batch_size else [base.train.batch_size],
         accums=_int_list(args.accum, "accum") if args.accum else [base.train.gradient_accumulate_every],
         checkpointing={"both": [False, True], "on": [True], "off": [False]}[args.checkpointing],
-        parts=_resolve_parts(args), samplers=_resolve_samplers(args.sampling, base),
+        parts=_resolve_parts(args),
+        samplers=_resolve_samplers(args.sampling, base),
         sampling_steps=_sampling_steps(args.sampling_steps),
         sampling_sizes=_int_list(args.sampling_sizes, "sampling_sizes") if args.sampling_sizes else [min(sizes)],
         loader_sizes=_int_list(args.loader_sizes, "loader_sizes") if args.loader_sizes else sizes,
         isolate=args.isolate == "on" or (args.isolate == "auto" and device.type == "cpu"),
-        repeats=1 if args.quick else args.repeats, warmup=1 if args.quick else args.warmup,
-        sampling_max_steps=args.sampling_max_steps or (4 if args.quick else None), threads=args.threads,
+        repeats=1 if args.quick else args.repeats,
+        warmup=1 if args.quick else args.warmup,
+        sampling_max_steps=args.sampling_max_steps or (4 if args.quick else None),
+        threads=args.threads,
         table=_resolve_table(args) if {"memory_table", "memory_check"} & _resolve_parts(args) else None,
     )
 
@@ -517,16 +628,18 @@ class _Data:
 
     def __call__(self, size: int) -> tuple[list[Path], Path]:
         if size not in self.sets:
-            self.sets[size] = write_cases(self.work / f"data_{size}", size, 4, self.base.data.labels,
-                                     self.base.image_channels)
+            self.sets[size] = write_cases(
+                self.work / f"data_{size}", size, 4, self.base.data.labels, self.base.image_channels
+            )
         return self.sets[size]
 
 
 def _bench_train(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
     rows = []
     estimate = plan.device.type == "cpu" and not args.no_estimate
-    for size, precision, ckpt, bs, accum in itertools.product(plan.sizes, plan.precisions, plan.checkpointing,
-                                                              plan.batch_sizes, plan.accums):
+    for size, precision, ckpt, bs, accum in itertools.product(
+        plan.sizes, plan.precisions, plan.checkpointing, plan.batch_sizes, plan.accums
+    ):
         cfg = bench_config(plan.base, size, data(size), precision, ckpt, bs, accum)
         progress(f"train {size}³ {precision} checkpointing={'on' if ckpt else 'off'} batch {bs} × accum {accum}")
         if plan.isolate:
@@ -535,7 +648,9 @@ def _bench_train(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]
             r = measure_training(cfg, plan.device, plan.warmup, plan.repeats, estimate)
             if plan.device.type == "cpu":
                 r["mem_kind"] = "process_peak_rss_shared"  # the same process ran earlier configs
-        rows.append({"size": size, "precision": precision, "checkpointing": ckpt, "batch_size": bs, "accum": accum, **r})
+        rows.append(
+            {"size": size, "precision": precision, "checkpointing": ckpt, "batch_size": bs, "accum": accum, **r}
+        )
     return rows
 
 
@@ -545,8 +660,14 @@ def _bench_sampling(plan: Plan, data: _Data, args, progress) -> list[dict[str, A
         cfg = bench_config(plan.base, size, data(size), precision)
         for sampler in plan.samplers:
             progress(f"sampling {size}³ {precision} {sampler}")
-            r = measure_sampling(cfg, plan.device, sampler, plan.sampling_steps.get(sampler), plan.sampling_max_steps,
-                                 args.sampling_repeats)
+            r = measure_sampling(
+                cfg,
+                plan.device,
+                sampler,
+                plan.sampling_steps.get(sampler),
+                plan.sampling_max_steps,
+                args.sampling_repeats,
+            )
             rows.append({"size": size, "precision": precision, **r})
     return rows
 
@@ -563,8 +684,9 @@ def _bench_loader(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any
 def _bench_startup(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
     """Validation + cache of --startup_cases synthetic cases at --startup_size³, per worker count."""
     size, rows = args.startup_size, []
-    folders = write_cases(data.work / "startup", size, args.startup_cases, plan.base.data.labels,
-                      plan.base.image_channels)
+    folders = write_cases(
+        data.work / "startup", size, args.startup_cases, plan.base.data.labels, plan.base.image_channels
+    )
     for workers in _int_list(args.startup_workers, "startup_workers"):
         progress(f"start-up {args.startup_cases} cases at {size}³, {workers} workers")
         rows.append({"size": size, **measure_startup(bench_config(plan.base, size, folders), workers)})
@@ -577,9 +699,12 @@ def _bench_memory_table(plan: Plan, data: _Data, args, progress) -> list[dict[st
     rows = []
     spec = plan.table
     for (size, channels), (space, levels), precision, ckpt in itertools.product(
-            spec.sizes, spec.spaces, spec.precisions, plan.checkpointing):
-        progress(f"memory table {'x'.join(map(str, size))}:{channels} {space}{levels if space == 'wavelet' else ''} "
-                 f"{precision} checkpointing={'on' if ckpt else 'off'}")
+        spec.sizes, spec.spaces, spec.precisions, plan.checkpointing
+    ):
+        progress(
+            f"memory table {'x'.join(map(str, size))}:{channels} {space}{levels if space == 'wavelet' else ''} "
+            f"{precision} checkpointing={'on' if ckpt else 'off'}"
+        )
         row = table_row(plan.base, size, channels, space, levels, precision, ckpt, spec.cards)
         rows.append({**vars(row), "total_gb": row.total_gb})
     return rows
@@ -590,7 +715,8 @@ def _bench_memory_check(plan: Plan, data: _Data, args, progress) -> list[dict[st
     Trainer.accumulate, batch 1 × accum 2), with the CPU's autocast rules so both run the same casts."""
     rows = []
     for size, (space, levels), precision, ckpt in itertools.product(
-            _int_list(args.check_sizes, "check_sizes"), plan.table.spaces, ("fp32", "bf16"), plan.checkpointing):
+        _int_list(args.check_sizes, "check_sizes"), plan.table.spaces, ("fp32", "bf16"), plan.checkpointing
+    ):
         cfg = C.from_dict(plan.base.to_dict())
         cfg.data.space, cfg.data.wavelet_levels, cfg.data.image_size = space, levels, [size] * 3
         cfg.train.precision, cfg.model.activation_checkpointing = precision, ckpt
@@ -604,10 +730,19 @@ def _bench_memory_check(plan: Plan, data: _Data, args, progress) -> list[dict[st
         estimate = estimate_step(cfg, 1, rules="cpu")
         traced = time.perf_counter() - start
         real = step_memory(cfg, 1)
-        rows.append({"size": size, "space": label, "precision": precision, "checkpointing": ckpt,
-                     "estimate_gb": estimate.total_bytes / 2**30, "measured_gb": real.total_bytes / 2**30,
-                     "ratio": estimate.total_bytes / real.total_bytes, "trace_s": traced,
-                     "run_s": time.perf_counter() - start - traced})
+        rows.append(
+            {
+                "size": size,
+                "space": label,
+                "precision": precision,
+                "checkpointing": ckpt,
+                "estimate_gb": estimate.total_bytes / 2**30,
+                "measured_gb": real.total_bytes / 2**30,
+                "ratio": estimate.total_bytes / real.total_bytes,
+                "trace_s": traced,
+                "run_s": time.perf_counter() - start - traced,
+            }
+        )
     return rows
 
 
@@ -618,14 +753,27 @@ def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = la
     report: dict[str, Any] = {
         "machine": machine_info(plan.device),
         "settings": {
-            "config": str(configs.find(args.config)), "channels": plan.base.model.channels,
-            "attention_levels": plan.base.model.attention_levels, "repeats": plan.repeats, "warmup": plan.warmup,
-            "quick": args.quick, "isolated": plan.isolate, "sampling_max_steps": plan.sampling_max_steps,
+            "config": str(configs.find(args.config)),
+            "channels": plan.base.model.channels,
+            "attention_levels": plan.base.model.attention_levels,
+            "repeats": plan.repeats,
+            "warmup": plan.warmup,
+            "quick": args.quick,
+            "isolated": plan.isolate,
+            "sampling_max_steps": plan.sampling_max_steps,
         },
-        "train": [], "sampling": [], "loader": [],
+        "train": [],
+        "sampling": [],
+        "loader": [],
     }
-    parts = {"train": _bench_train, "sampling": _bench_sampling, "loader": _bench_loader, "startup": _bench_startup,
-             "memory_table": _bench_memory_table, "memory_check": _bench_memory_check}
+    parts = {
+        "train": _bench_train,
+        "sampling": _bench_sampling,
+        "loader": _bench_loader,
+        "startup": _bench_startup,
+        "memory_table": _bench_memory_table,
+        "memory_check": _bench_memory_check,
+    }
     with tempfile.TemporaryDirectory(prefix="d3d_bench_") as tmp:
         data = _Data(Path(tmp), plan.base)
         for name in PARTS:
@@ -637,59 +785,104 @@ def run_benchmark(args: argparse.Namespace, progress: Callable[[str], None] = la
 
 def format_tables(report: dict[str, Any]) -> str:
     m = report["machine"]
-    lines = [f"# {m['device_name']} ({m['device']}), torch {m['torch']}, monai {m['monai']}, "
-             f"{m['torch_threads']} threads, load average {m.get('load_average')} → {m.get('load_average_end')}"]
+    lines = [
+        f"# {m['device_name']} ({m['device']}), torch {m['torch']}, monai {m['monai']}, "
+        f"{m['torch_threads']} threads, load average {m.get('load_average')} → {m.get('load_average_end')}"
+    ]
     if report["train"]:
-        lines += ["", "training (median of timed optimizer steps)",
-                  f"{'size':>5} {'prec':>5} {'ckpt':>4} {'bs':>3} {'acc':>3} {'s/step':>8} {'vol/s':>8} "
-                  f"{'peak GB':>8} {'Δrss GB':>8} {'est GB':>8} {'GFLOP/step':>11} {'TFLOP/s':>8} {'of peak':>7}"]
+        lines += [
+            "",
+            "training (median of timed optimizer steps)",
+            f"{'size':>5} {'prec':>5} {'ckpt':>4} {'bs':>3} {'acc':>3} {'s/step':>8} {'vol/s':>8} "
+            f"{'peak GB':>8} {'Δrss GB':>8} {'est GB':>8} {'GFLOP/step':>11} {'TFLOP/s':>8} {'of peak':>7}",
+        ]
         for r in report["train"]:
             lines.append(
                 f"{r['size']:>5} {r['precision']:>5} {'on' if r['checkpointing'] else 'off':>4} {r['batch_size']:>3} "
                 f"{r['accum']:>3} {r['s_per_step']:>8.3f} {r['volumes_per_s']:>8.2f} {r['peak_mem_gb']:>8.3f} "
                 f"{_fmt(r.get('rss_growth_gb'))} {_fmt(r.get('est_step_gb'))} {r['flops_per_step'] / 1e9:>11.1f} "
-                f"{r['achieved_tflops']:>8.3f} {_fmt(r.get('peak_fraction'), 7, '.1%')}")
+                f"{r['achieved_tflops']:>8.3f} {_fmt(r.get('peak_fraction'), 7, '.1%')}"
+            )
         kind = report["train"][0]["mem_kind"]
         lines.append(f"peak GB: {kind}; est GB: allocator-free peak of one micro-batch's forward+backward")
     if report["sampling"]:
-        lines += ["", "sampling (batch 1)", f"{'size':>5} {'prec':>5} {'sampler':>8} {'steps':>6} {'run':>5} {'s/volume':>9} {'s/eval':>8}"]
+        lines += [
+            "",
+            "sampling (batch 1)",
+            f"{'size':>5} {'prec':>5} {'sampler':>8} {'steps':>6} {'run':>5} {'s/volume':>9} {'s/eval':>8}",
+        ]
         for r in report["sampling"]:
             note = "  (extrapolated from the steps run)" if r["extrapolated"] else ""
-            lines.append(f"{r['size']:>5} {r['precision']:>5} {r['sampler']:>8} {r['steps']:>6} {r['steps_run']:>5} "
-                         f"{r['s_per_volume']:>9.2f} {r['s_per_eval']:>8.4f}{note}")
+            lines.append(
+                f"{r['size']:>5} {r['precision']:>5} {r['sampler']:>8} {r['steps']:>6} {r['steps_run']:>5} "
+                f"{r['s_per_volume']:>9.2f} {r['s_per_eval']:>8.4f}{note}"
+            )
     if report["loader"]:
-        lines += ["", "loader (median seconds per micro-batch)", f"{'size':>5} {'cached':>6} {'bs':>3} {'s/batch':>9} {'cache build s':>14}"]
+        lines += [
+            "",
+            "loader (median seconds per micro-batch)",
+            f"{'size':>5} {'cached':>6} {'bs':>3} {'s/batch':>9} {'cache build s':>14}",
+        ]
         for r in report["loader"]:
-            lines.append(f"{r['size']:>5} {'yes' if r['cached'] else 'no':>6} {r['batch_size']:>3} {r['s_per_batch']:>9.4f} "
-                         f"{r['cache_build_s'] if r['cached'] else 0:>14.2f}")
+            lines.append(
+                f"{r['size']:>5} {'yes' if r['cached'] else 'no':>6} {r['batch_size']:>3} {r['s_per_batch']:>9.4f} "
+                f"{r['cache_build_s'] if r['cached'] else 0:>14.2f}"
+            )
     if report.get("startup"):
-        lines += ["", "start-up (discovery + validation, then the memory cache build)",
-                  f"{'size':>5} {'cases':>6} {'workers':>7} {'validate s':>11} {'cache s':>8} {'total s':>8}"]
+        lines += [
+            "",
+            "start-up (discovery + validation, then the memory cache build)",
+            f"{'size':>5} {'cases':>6} {'workers':>7} {'validate s':>11} {'cache s':>8} {'total s':>8}",
+        ]
         for r in report["startup"]:
-            lines.append(f"{r['size']:>5} {r['cases']:>6} {r['workers']:>7} {r['validate_s']:>11.2f} "
-                         f"{r['cache_build_s']:>8.2f} {r['startup_s']:>8.2f}")
+            lines.append(
+                f"{r['size']:>5} {r['cases']:>6} {r['workers']:>7} {r['validate_s']:>11.2f} "
+                f"{r['cache_build_s']:>8.2f} {r['startup_s']:>8.2f}"
+            )
     if report.get("memory_table"):
         lines += ["", format_memory_table(report["memory_table"])]
     if report.get("memory_check"):
-        lines += ["", "| grid | space | prec | ckpt | traced GiB | measured GiB | ratio | trace s | run s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| grid | space | prec | ckpt | traced GiB | measured GiB | ratio | trace s | run s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in report["memory_check"]:
-            lines.append(f"| {r['size']}³ | {r['space']} | {r['precision']} | {'on' if r['checkpointing'] else 'off'} | "
-                         f"{r['estimate_gb']:.3f} | {r['measured_gb']:.3f} | {r['ratio']:.4f} | {r['trace_s']:.1f} | "
-                         f"{r['run_s']:.1f} |")
+            lines.append(
+                f"| {r['size']}³ | {r['space']} | {r['precision']} | {'on' if r['checkpointing'] else 'off'} | "
+                f"{r['estimate_gb']:.3f} | {r['measured_gb']:.3f} | {r['ratio']:.4f} | {r['trace_s']:.1f} | "
+                f"{r['run_s']:.1f} |"
+            )
     return "\n".join(lines)
 
 
 def format_memory_table(rows: list[dict[str, Any]]) -> str:
     """The memory table as Markdown: one micro-batch of 1 and the largest micro-batch per card."""
     cards = list(rows[0]["largest_batch"])
-    head = ["grid", "ch", "space", "prec", "ckpt", "GiB, batch 1", "+GiB/sample", "TFLOP/sample",
-            *[f"max batch {c} GB" for c in cards]]
+    head = [
+        "grid",
+        "ch",
+        "space",
+        "prec",
+        "ckpt",
+        "GiB, batch 1",
+        "+GiB/sample",
+        "TFLOP/sample",
+        *[f"max batch {c} GB" for c in cards],
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = ["×".join(map(str, r["image_size"])), str(r["image_channels"]), r["space"], r["precision"],
-                 "on" if r["checkpointing"] else "off", f"{r['total_gb']:.2f}", f"{r['per_sample_gb']:.2f}",
-                 f"{r['tflops_per_sample']:.2f}", *[str(r["largest_batch"][c]) for c in cards]]
+        cells = [
+            "×".join(map(str, r["image_size"])),
+            str(r["image_channels"]),
+            r["space"],
+            r["precision"],
+            "on" if r["checkpointing"] else "off",
+            f"{r['total_gb']:.2f}",
+            f"{r['per_sample_gb']:.2f}",
+            f"{r['tflops_per_sample']:.2f}",
+            *[str(r["largest_batch"][c]) for c in cards],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -702,15 +895,16 @@ def _split_quality(argv: list[str]) -> list[str] | None:
     """``--parts quality`` hands the rest of the command line to the time-to-quality benchmark."""
     for i, arg in enumerate(argv):
         if arg == "--parts" and i + 1 < len(argv) and argv[i + 1] == "quality":
-            return argv[:i] + argv[i + 2:]
+            return argv[:i] + argv[i + 2 :]
         if arg == "--parts=quality":
-            return argv[:i] + argv[i + 1:]
+            return argv[:i] + argv[i + 1 :]
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     from . import accumulation  # --parts accumulation: the loss-division questions (docs/accumulation.md)
+
     if (rest := accumulation.split_argv(argv)) is not None:
         return accumulation.main(rest)
     rest = _split_quality(argv)

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..checkpoint import CheckpointError
-from ..storage import FolderError, StorageError, atomic_write_text
 from ..config import ConfigError
 from ..data import DataError, DataProblems
+from ..storage import FolderError, StorageError, atomic_write_text
 
 ExceptionTypes = tuple[type[BaseException], ...]
 

@@ -53,13 +53,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
 from .. import storage
+from ..evaluation.report import Report
+from ..evaluation.scores import evaluate, flat_rows, pair
 from . import evaluate_tools as evaluate_cli
 from .common import InputError, OneLineParser, configure_logging, int_list, run_command, write_csv, write_json
 from .evaluate_tools import SUBCOMMANDS, add_intensity_flags, scaling_from
-from ..evaluation.report import Report
-from ..evaluation.scores import evaluate, flat_rows, pair
 
 log = logging.getLogger("diffusion3d.evaluate")  # not __name__: "__main__" under python -m
 OUTPUTS = ("metrics.csv", "cases.csv", "metrics.json", "report.html")
@@ -75,8 +74,21 @@ def write_outputs(result: dict[str, Any], out: Path, step: int, report: Report |
     out.mkdir(parents=True, exist_ok=True)
     header, flat = flat_rows(result["samples"])
     write_csv(out / "metrics.csv", flat, header)
-    case_header = ["case", "n_samples", "ms_ssim", "ms_ssim_pairs", "ms_ssim_note", "model_div", "data_div", "div_ratio",
-                   "ssim_twin", "sharpness_twin", "image", "mask", "second_image"]
+    case_header = [
+        "case",
+        "n_samples",
+        "ms_ssim",
+        "ms_ssim_pairs",
+        "ms_ssim_note",
+        "model_div",
+        "data_div",
+        "div_ratio",
+        "ssim_twin",
+        "sharpness_twin",
+        "image",
+        "mask",
+        "second_image",
+    ]
     write_csv(out / "cases.csv", result["cases"], case_header)
     write_json(out / "metrics.json", result)
     if report is not None:
@@ -104,14 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", required=True, type=Path, help="folder of real images <case>.nii.gz")
     p.add_argument("--masks", type=Path, default=None, help="folder of masks <case>.nii.gz (per-label statistics)")
     p.add_argument("--out", required=True, type=Path, help="output folder: metrics.csv, cases.csv, metrics.json, tb/")
-    p.add_argument("--second_images", type=Path, default=None, metavar="DIR",
-                   help="a second real image of each mask, <case>.nii.gz (test-retest scans): the samples' diversity "
-                   "is then reported against the data's own (model_div, data_div, div_ratio)")
+    p.add_argument(
+        "--second_images",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a second real image of each mask, <case>.nii.gz (test-retest scans): the samples' diversity "
+        "is then reported against the data's own (model_div, data_div, div_ratio)",
+    )
     p.add_argument("--labels", default=None, help="e.g. 0,1,2 (default: every label in each mask)")
     add_intensity_flags(p)
     p.add_argument("--step", type=int, default=0, help="TensorBoard step of these results (e.g. the checkpoint's)")
-    p.add_argument("--report_cases", type=int, default=6, metavar="N",
-                   help="report.html shows the mid-slices of the first N cases (0: no report; default 6)")
+    p.add_argument(
+        "--report_cases",
+        type=int,
+        default=6,
+        metavar="N",
+        help="report.html shows the mid-slices of the first N cases (0: no report; default 6)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace existing metrics files in --out")
     return p
 
@@ -139,13 +161,18 @@ def evaluate_and_report(argv: list[str] | None = None) -> int:
     def fmt(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.4f}"
 
-    print(f"{s['n_samples']} samples of {s['n_cases']} masks: SSIM {fmt(s['ssim'])}, PSNR {fmt(s['psnr'])} dB"
-          f"{' (+%d identical)' % s['psnr_infinite'] if s['psnr_infinite'] else ''}, MAE {fmt(s['mae'])}, "
-          f"MS-SSIM among samples {fmt(s['ms_ssim'])}")
+    identical = f" (+{s['psnr_infinite']} identical)" if s["psnr_infinite"] else ""
+    print(
+        f"{s['n_samples']} samples of {s['n_cases']} masks: SSIM {fmt(s['ssim'])}, PSNR {fmt(s['psnr'])} dB"
+        f"{identical}, MAE {fmt(s['mae'])}, "
+        f"MS-SSIM among samples {fmt(s['ms_ssim'])}"
+    )
     if s["div_ratio"] is not None:
-        print(f"diversity: samples {fmt(s['model_div'])} (1 - SSIM between samples of a mask), data "
-              f"{fmt(s['data_div'])} (1 - SSIM between its two real images), ratio {fmt(s['div_ratio'])} "
-              f"over {s['div_ratio_cases']} masks")
+        print(
+            f"diversity: samples {fmt(s['model_div'])} (1 - SSIM between samples of a mask), data "
+            f"{fmt(s['data_div'])} (1 - SSIM between its two real images), ratio {fmt(s['div_ratio'])} "
+            f"over {s['div_ratio_cases']} masks"
+        )
     else:
         print(f"diversity: {s['diversity_note']}")
     return 0

@@ -47,24 +47,34 @@ import torch.nn.functional as F
 
 from .. import config as C
 from .. import configs
-from ..evaluation import metrics
-from .common import InputError, OneLineParser, configure_logging, run_command, write_json
 from ..data import build_dataset, discover, save_nifti
 from ..diffusion import make_diffusion
+from ..evaluation import metrics
+from ..sampling import ModelGridMask, generate, resolve
 from ..synthetic import SPACING, make_case
 from ..synthetic import save as save_phantom
-from ..sampling import ModelGridMask, generate, resolve
 from ..trainer import Trainer
+from .common import InputError, OneLineParser, configure_logging, run_command, write_json
 
 log = logging.getLogger("diffusion3d.quality")
 REAL_PAIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "whole_head"  # beside a checkout
 SETS = ("phantom", "realistic")
 TABLE_KEYS = (  # column header, result key, format
-    ("head", "head_dice", ".3f"), ("lesion", "lesion_dice", ".3f"), ("|Δμ|max", "abs_mean_error_max", ".3f"),
-    ("Δμ bg", "mean_error/0", "+.3f"), ("Δμ head", "mean_error/1", "+.3f"), ("Δμ les", "mean_error/2", "+.3f"),
-    ("contr", "contrast_ratio", ".2f"), ("SSIM", "ssim", ".3f"), ("PSNR", "psnr", ".1f"),
-    ("sharp", "sharpness_ratio", ".2f"), ("model_div", "model_div", ".3f"), ("data_div", "data_div", ".3f"),
-    ("div_ratio", "div_ratio", ".2f"), ("SSIM twin", "ssim_twin", ".3f"), ("sharp twin", "sharpness_twin", ".2f"),
+    ("head", "head_dice", ".3f"),
+    ("lesion", "lesion_dice", ".3f"),
+    ("|Δμ|max", "abs_mean_error_max", ".3f"),
+    ("Δμ bg", "mean_error/0", "+.3f"),
+    ("Δμ head", "mean_error/1", "+.3f"),
+    ("Δμ les", "mean_error/2", "+.3f"),
+    ("contr", "contrast_ratio", ".2f"),
+    ("SSIM", "ssim", ".3f"),
+    ("PSNR", "psnr", ".1f"),
+    ("sharp", "sharpness_ratio", ".2f"),
+    ("model_div", "model_div", ".3f"),
+    ("data_div", "data_div", ".3f"),
+    ("div_ratio", "div_ratio", ".2f"),
+    ("SSIM twin", "ssim_twin", ".3f"),
+    ("sharp twin", "sharpness_twin", ".2f"),
 )
 NO_TWIN = {"data_div", "div_ratio", "ssim_twin", "sharpness_twin"}  # "n/a" where a set has no second real draw
 
@@ -103,8 +113,9 @@ def write_phantom_set(root: Path, n: int, seed: int, split: int, size: int, twin
         save_phantom(image, root / "images" / f"{name}.nii.gz")
         twin = None
         if twins:
-            twin_mask, twin = make_case(np.random.default_rng([seed, split, i]), size,
-                                        texture_rng=np.random.default_rng([seed, TWIN_SPLIT, i]))
+            twin_mask, twin = make_case(
+                np.random.default_rng([seed, split, i]), size, texture_rng=np.random.default_rng([seed, TWIN_SPLIT, i])
+            )
             assert np.array_equal(twin_mask, mask)  # the geometry is drawn before the texture
             (root / "twins").mkdir(exist_ok=True)
             save_phantom(twin, root / "twins" / f"{name}.nii.gz")
@@ -118,8 +129,15 @@ def _smooth_field(rng: np.random.Generator, channels: int, coarse: int, size: in
     return F.interpolate(field, size=(size,) * 3, mode="trilinear", align_corners=True)
 
 
-def deform_pair(image: np.ndarray, mask: np.ndarray, rng: np.random.Generator, labels: Sequence[int],
-                factor: int, displacement: float = 0.04, bias: float = 0.12) -> tuple[np.ndarray, np.ndarray]:
+def deform_pair(
+    image: np.ndarray,
+    mask: np.ndarray,
+    rng: np.random.Generator,
+    labels: Sequence[int],
+    factor: int,
+    displacement: float = 0.04,
+    bias: float = 0.12,
+) -> tuple[np.ndarray, np.ndarray]:
     """One smooth random deformation + bias field of an (image in [0, 1], mask) pair, then ``factor``× down.
 
     ``displacement`` is the displacement's std as a fraction of the half-width (0.04 ≈ 2.6 voxels at 128³),
@@ -152,8 +170,9 @@ def deform_pair(image: np.ndarray, mask: np.ndarray, rng: np.random.Generator, l
     return small_image.astype(np.float32), small_mask
 
 
-def write_realistic_set(root: Path, n: int, seed: int, split: int, size: int, source: Path,
-                        labels: Sequence[int]) -> list[TestCase]:
+def write_realistic_set(
+    root: Path, n: int, seed: int, split: int, size: int, source: Path, labels: Sequence[int]
+) -> list[TestCase]:
     image_file, mask_file = source / "image" / "sample_3.nii.gz", source / "mask" / "sample_3.nii.gz"
     for f in (image_file, mask_file):
         if not f.is_file():
@@ -177,8 +196,16 @@ def write_realistic_set(root: Path, n: int, seed: int, split: int, size: int, so
     return cases
 
 
-def write_set(kind: str, root: Path, n_train: int, n_test: int, seed: int, size: int, labels: Sequence[int],
-              source: Path = REAL_PAIR) -> list[TestCase]:
+def write_set(
+    kind: str,
+    root: Path,
+    n_train: int,
+    n_test: int,
+    seed: int,
+    size: int,
+    labels: Sequence[int],
+    source: Path = REAL_PAIR,
+) -> list[TestCase]:
     """Write ``root/train`` (files the trainer reads) and ``root/test``; returns the test cases."""
     if kind == "phantom":
         write_phantom_set(root / "train", n_train, seed, 1, size)
@@ -229,10 +256,21 @@ def bench_config(base: C.Config, train_root: Path, overrides: Sequence[str]) -> 
             raise QualityError(f"--set: expected key=value, got {item!r}")
         pairs.append((key.strip(), C.parse_value(value)))
     try:
-        return base.override(pairs, image_dir=str(train_root / "images"), mask_dir=str(train_root / "masks"),
-                             manifest=None, image_suffix="", mask_suffix="", intensity="range",
-                             intensity_range=[0.0, 1.0], num_val_cases=0, cache="memory", quiet=True,
-                             orientation="RAS", spacing=None)
+        return base.override(
+            pairs,
+            image_dir=str(train_root / "images"),
+            mask_dir=str(train_root / "masks"),
+            manifest=None,
+            image_suffix="",
+            mask_suffix="",
+            intensity="range",
+            intensity_range=[0.0, 1.0],
+            num_val_cases=0,
+            cache="memory",
+            quiet=True,
+            orientation="RAS",
+            spacing=None,
+        )
     except C.ConfigError as e:  # names the key, whether --set gave it or the combination is invalid
         raise QualityError(f"config: {e}") from None
 
@@ -265,9 +303,17 @@ def _nanmean(values: Sequence[float]) -> float:
     return float(np.mean(finite)) if finite else float("nan")
 
 
-def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCase], spec: SamplingSpec,
-                   samples_per_mask: int, device: torch.device, seed: int, batch_size: int = 16,
-                   save_dir: Path | None = None) -> dict[str, Any]:
+def evaluate_model(
+    model: torch.nn.Module,
+    cfg: C.Config,
+    cases: Sequence[TestCase],
+    spec: SamplingSpec,
+    samples_per_mask: int,
+    device: torch.device,
+    seed: int,
+    batch_size: int = 16,
+    save_dir: Path | None = None,
+) -> dict[str, Any]:
     """Sample every test mask ``samples_per_mask`` times with ``spec``; score against the truth.
     With ``save_dir`` the samples are written there as ``<case>_sample<j>.nii.gz`` (beside ``<case>_truth``)."""
     labels = cfg.data.labels
@@ -275,8 +321,20 @@ def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCa
     grids = [grid for grid in (ModelGridMask(c.mask.astype(np.uint8)) for c in cases) for _ in range(samples_per_mask)]
     seeds = [int(seed * 1000003 + 7919 * c + j) for c in range(len(cases)) for j in range(samples_per_mask)]
     start = time.perf_counter()
-    volumes = [s.model_grid for s in generate(model, cfg, grids, seeds, sampler=spec.sampler, steps=spec.steps,
-                                              guidance=spec.guidance, batch_size=batch_size, device=device)]
+    volumes = [
+        s.model_grid
+        for s in generate(
+            model,
+            cfg,
+            grids,
+            seeds,
+            sampler=spec.sampler,
+            steps=spec.steps,
+            guidance=spec.guidance,
+            batch_size=batch_size,
+            device=device,
+        )
+    ]
     seconds = time.perf_counter() - start
     unit = ((torch.stack(volumes)[:, 0] + 1) / 2).numpy()
     if save_dir is not None:
@@ -295,9 +353,17 @@ def evaluate_model(model: torch.nn.Module, cfg: C.Config, cases: Sequence[TestCa
     return scores
 
 
-def train_and_score(cfg: C.Config, cases: Sequence[TestCase], steps: int, eval_at: Sequence[int],
-                    specs: Sequence[SamplingSpec], samples_per_mask: int, device: torch.device,
-                    progress: Callable[[str], None] = lambda s: None, save_dir: Path | None = None) -> list[dict[str, Any]]:
+def train_and_score(
+    cfg: C.Config,
+    cases: Sequence[TestCase],
+    steps: int,
+    eval_at: Sequence[int],
+    specs: Sequence[SamplingSpec],
+    samples_per_mask: int,
+    device: torch.device,
+    progress: Callable[[str], None] = lambda s: None,
+    save_dir: Path | None = None,
+) -> list[dict[str, Any]]:
     """Train ``steps`` optimizer steps of ``cfg``; at each step in ``eval_at`` score every sampling spec."""
     cfg.train.train_num_steps = steps
     train_cases = discover(cfg)
@@ -315,10 +381,17 @@ def train_and_score(cfg: C.Config, cases: Sequence[TestCase], steps: int, eval_a
         if step in eval_at:
             for spec in specs:
                 where = save_dir / f"step_{step:06d}" / spec.label if save_dir is not None else None
-                scores = evaluate_model(trainer.ema.module, cfg, cases, spec, samples_per_mask, device, cfg.train.seed,
-                                        save_dir=where)
-                row = {"step": step, "train_s": wall, "train_cpu_s": cpu, "loss": float(np.mean(losses[-50:])),
-                       "sampling": spec.label, **scores}
+                scores = evaluate_model(
+                    trainer.ema.module, cfg, cases, spec, samples_per_mask, device, cfg.train.seed, save_dir=where
+                )
+                row = {
+                    "step": step,
+                    "train_s": wall,
+                    "train_cpu_s": cpu,
+                    "loss": float(np.mean(losses[-50:])),
+                    "sampling": spec.label,
+                    **scores,
+                }
                 rows.append(row)
                 progress(format_row(row))
     return rows
@@ -332,8 +405,14 @@ def _cell(value: Any, spec: str, missing: str = "–") -> str:
 
 
 def format_row(row: dict[str, Any]) -> str:
-    cells = [f"{row.get('run', '')}", row["set"] if "set" in row else "", f"{row['step']}", f"{row['train_s']:.0f}",
-             row["sampling"], f"{row['evaluations']}"]
+    cells = [
+        f"{row.get('run', '')}",
+        row["set"] if "set" in row else "",
+        f"{row['step']}",
+        f"{row['train_s']:.0f}",
+        row["sampling"],
+        f"{row['evaluations']}",
+    ]
     row = dict(row)
     if "model_div" not in row and isinstance(row.get("diversity"), float):  # a report from before model_div
         row["model_div"] = 1.0 - row["diversity"]
@@ -350,18 +429,34 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    return {"python": platform.python_version(), "torch": str(torch.__version__), "threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine()}
+    return {
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "threads": torch.get_num_threads(),
+        "processor": platform.processor() or platform.machine(),
+    }
 
 
 # ---- the command line -------------------------------------------------------------------------------
 def build_parser(prog: str = "python -m diffusion3d quality") -> argparse.ArgumentParser:
-    p = OneLineParser(prog=prog, description="Time to quality: train a config on seeded synthetic sets and score "
-                      "samples of unseen masks along the way (mask fidelity and realism against the truth).")
-    p.add_argument("--config", default=None,
-                   help="the recipe to train: a path or a bundled config's name (default: default, the demo's)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable), e.g. --set prediction=flow --set sampler=euler")
+    p = OneLineParser(
+        prog=prog,
+        description="Time to quality: train a config on seeded synthetic sets and score "
+        "samples of unseen masks along the way (mask fidelity and realism against the truth).",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the recipe to train: a path or a bundled config's name (default: default, the demo's)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable), e.g. --set prediction=flow --set sampler=euler",
+    )
     p.add_argument("--name", default=None, help="the run's name in the table (default: config name + overrides)")
     p.add_argument("--sets", default="phantom,realistic", help="phantom, realistic or both (default)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's train_num_steps)")
@@ -377,8 +472,12 @@ def build_parser(prog: str = "python -m diffusion3d quality") -> argparse.Argume
     p.add_argument("--threads", type=int, default=None, help="torch threads (set it to the cores you really have)")
     p.add_argument("--workdir", type=Path, default=None, help="where the sets are written (default: a temp folder)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-    p.add_argument("--save_samples", type=Path, default=None,
-                   help="also write every scored sample (and its truth) as NIfTI: DIR/<set>/step_N/<sampling>/")
+    p.add_argument(
+        "--save_samples",
+        type=Path,
+        default=None,
+        help="also write every scored sample (and its truth) as NIfTI: DIR/<set>/step_N/<sampling>/",
+    )
     p.add_argument("--table", type=Path, nargs="+", default=None, help="print one table from these JSON files and exit")
     return p
 
@@ -397,8 +496,14 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
             raise QualityError(f"--{flag}: must be at least 1")
     device = torch.device(args.device)
     name = args.name or " ".join([base.name, *args.overrides])
-    report: dict[str, Any] = {"name": name, "config": str(config), "overrides": args.overrides,
-                              "machine": machine(), "rows": [], "skipped": {}}
+    report: dict[str, Any] = {
+        "name": name,
+        "config": str(config),
+        "overrides": args.overrides,
+        "machine": machine(),
+        "rows": [],
+        "skipped": {},
+    }
     with tempfile.TemporaryDirectory(prefix="d3d_quality_") as tmp:
         work = Path(args.workdir) if args.workdir else Path(tmp)
         for kind in sets:
@@ -409,7 +514,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                 report["skipped"][kind] = message
                 continue
             root = work / kind
-            cases = write_set(kind, root, args.n_train, args.n_test, args.data_seed, size, base.data.labels, args.real_pair)
+            cases = write_set(
+                kind, root, args.n_train, args.n_test, args.data_seed, size, base.data.labels, args.real_pair
+            )
             cfg = bench_config(base, root / "train", [*args.overrides, f"image_size=[{size},{size},{size}]"])
             steps = args.steps or cfg.train.train_num_steps
             eval_at = sorted({*range(args.eval_every, steps + 1, args.eval_every), steps})
@@ -417,13 +524,25 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
             diffusion = make_diffusion(cfg)
             for spec in specs:
                 if spec.sampler not in diffusion.samplers:
-                    raise QualityError(f"--sampling: {spec.sampler} does not fit prediction {cfg.diffusion.prediction} "
-                                       f"(use {' or '.join(diffusion.samplers)})")
-            progress(f"{kind}: {args.n_train} training pairs, {args.n_test} test masks, {size}³, {steps} steps, "
-                     f"scored at {eval_at} with {', '.join(s.label for s in specs)}")
-            rows = train_and_score(cfg, cases, steps, eval_at, specs, args.samples_per_mask, device,
-                                   progress=lambda line, k=kind: progress(f"{name} | {k} | {line}"),
-                                   save_dir=args.save_samples / kind if args.save_samples else None)
+                    raise QualityError(
+                        f"--sampling: {spec.sampler} does not fit prediction {cfg.diffusion.prediction} "
+                        f"(use {' or '.join(diffusion.samplers)})"
+                    )
+            progress(
+                f"{kind}: {args.n_train} training pairs, {args.n_test} test masks, {size}³, {steps} steps, "
+                f"scored at {eval_at} with {', '.join(s.label for s in specs)}"
+            )
+            rows = train_and_score(
+                cfg,
+                cases,
+                steps,
+                eval_at,
+                specs,
+                args.samples_per_mask,
+                device,
+                progress=lambda line, k=kind: progress(f"{name} | {k} | {line}"),
+                save_dir=args.save_samples / kind if args.save_samples else None,
+            )
             report["rows"] += [{"run": name, "set": kind, **r} for r in rows]
     return report
 

@@ -27,9 +27,9 @@ from tqdm.auto import tqdm
 from .. import checkpoint as ckpt
 from .. import sampling, storage
 from ..config import Config
-from .common import InputError, OneLineParser, configure_logging, device_flag, run_command
 from ..data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
 from ..diffusion import SAMPLERS, samplers_of
+from .common import InputError, OneLineParser, configure_logging, device_flag, run_command
 
 log = logging.getLogger("diffusion3d.sample")  # not __name__: "__main__" under python -m
 
@@ -72,23 +72,43 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sample volumes from a trained checkpoint, conditioned on masks; each sample is written "
         "as <case>_sample<i>.nii.gz on the grid (shape, affine, spacing) of its mask.",
     )
-    p.add_argument("--checkpoint", required=True, type=Path,
-                   help="a step_*.pt file, or a run (or checkpoints) folder: its newest valid checkpoint")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="a step_*.pt file, or a run (or checkpoints) folder: its newest valid checkpoint",
+    )
     p.add_argument("--masks", required=True, type=Path, help="a mask file or a folder of masks (.nii/.nii.gz)")
     p.add_argument("--out", required=True, type=Path, help="output folder (created)")
     p.add_argument("--n", type=_positive, default=1, help="samples per mask (default 1)")
-    p.add_argument("--sampler", choices=list(SAMPLERS), default=None,
-                   help=f"default: the checkpoint config's; {'|'.join(samplers_of('gaussian'))} for Gaussian "
-                   f"diffusion, {'|'.join(samplers_of('flow'))} for flow")
-    p.add_argument("--steps", type=_positive, default=None,
-                   help="sampling steps (default: the config's sampling_steps; ddpm: all training steps)")
-    p.add_argument("--guidance_scale", type=_non_negative, default=None,
-                   help="classifier-free guidance (default: the config's; 1 = conditional model only; "
-                   "needs a model trained with cond_drop_prob > 0)")
+    p.add_argument(
+        "--sampler",
+        choices=list(SAMPLERS),
+        default=None,
+        help=f"default: the checkpoint config's; {'|'.join(samplers_of('gaussian'))} for Gaussian "
+        f"diffusion, {'|'.join(samplers_of('flow'))} for flow",
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive,
+        default=None,
+        help="sampling steps (default: the config's sampling_steps; ddpm: all training steps)",
+    )
+    p.add_argument(
+        "--guidance_scale",
+        type=_non_negative,
+        default=None,
+        help="classifier-free guidance (default: the config's; 1 = conditional model only; "
+        "needs a model trained with cond_drop_prob > 0)",
+    )
     p.add_argument("--seed", type=int, default=0, help="volume i of mask <case> is seeded by (seed, case, i)")
-    p.add_argument("--batch_size", type=_positive, default=4,
-                   help="volumes per forward pass (default 4: CPU conv3d takes a slow path at batch 1; "
-                   "results do not depend on it; lower it if memory runs out)")
+    p.add_argument(
+        "--batch_size",
+        type=_positive,
+        default=4,
+        help="volumes per forward pass (default 4: CPU conv3d takes a slow path at batch 1; "
+        "results do not depend on it; lower it if memory runs out)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA weights (default) or the raw ones")
     p.add_argument("--overwrite", action="store_true", help="replace existing <case>_sample<i>.nii.gz files")
@@ -132,9 +152,19 @@ def run(argv: list[str] | None = None) -> list[Path]:
         recipe = sampling.resolve(cfg, args.sampler, args.steps, args.guidance_scale)
     except sampling.SamplingError as e:
         raise InputError(f"--{e.key}: {e}") from None
-    log.info("%s (step %d, %s weights): %d masks × %d samples, %s %d steps (%d model evaluations), guidance %g, device %s",
-             state["path"], state["step"], args.weights, len(masks), args.n, recipe.sampler, recipe.steps,
-             recipe.evaluations, recipe.guidance, device)
+    log.info(
+        "%s (step %d, %s weights): %d masks × %d samples, %s %d steps (%d model evaluations), guidance %g, device %s",
+        state["path"],
+        state["step"],
+        args.weights,
+        len(masks),
+        args.n,
+        recipe.sampler,
+        recipe.steps,
+        recipe.evaluations,
+        recipe.guidance,
+        device,
+    )
     lock = storage.claim_folder(args.out, "sampling run")  # held until run() returns (the kernel drops it if we die)
     try:
         return _sample(model, cfg, jobs, grids, recipe, args, device)
@@ -142,16 +172,30 @@ def run(argv: list[str] | None = None) -> list[Path]:
         lock.release()
 
 
-def _sample(model, cfg: Config, jobs: list[Job], grids: dict[str, MaskGrid], recipe: sampling.Recipe, args,
-            device) -> list[Path]:
+def _sample(
+    model, cfg: Config, jobs: list[Job], grids: dict[str, MaskGrid], recipe: sampling.Recipe, args, device
+) -> list[Path]:
     batches = -(-len(jobs) // args.batch_size)
-    bar = tqdm(total=batches * recipe.evaluations, desc=f"sampling ({recipe.sampler})", unit="step",
-               disable=args.quiet, dynamic_ncols=True)
+    bar = tqdm(
+        total=batches * recipe.evaluations,
+        desc=f"sampling ({recipe.sampler})",
+        unit="step",
+        disable=args.quiet,
+        dynamic_ncols=True,
+    )
     written = []
-    volumes = sampling.generate(model, cfg, [grids[j.case] for j in jobs],
-                                [sampling.volume_seed(args.seed, j.case, j.index) for j in jobs],
-                                sampler=recipe.sampler, steps=recipe.steps, guidance=recipe.guidance,
-                                batch_size=args.batch_size, device=device, on_step=lambda: bar.update(1))
+    volumes = sampling.generate(
+        model,
+        cfg,
+        [grids[j.case] for j in jobs],
+        [sampling.volume_seed(args.seed, j.case, j.index) for j in jobs],
+        sampler=recipe.sampler,
+        steps=recipe.steps,
+        guidance=recipe.guidance,
+        batch_size=args.batch_size,
+        device=device,
+        on_step=lambda: bar.update(1),
+    )
     for sampled in volumes:
         job = jobs[sampled.index]
         written.append(sampling.write_volume(sampled, grids[job.case], cfg, job.path))

@@ -17,12 +17,11 @@ from pathlib import Path
 
 from .. import checkpoint as ckpt
 from .. import config as C
-from .. import configs
-from .. import distributed, storage
-from .common import BAD_INPUT, InputError, OneLineParser, configure_logging, run_command
+from .. import configs, distributed, storage
 from ..data import discover, format_summary, validate
 from ..precision import resolve_precision
 from ..trainer import NonFiniteError, Trainer, build_trainer
+from .common import BAD_INPUT, InputError, OneLineParser, configure_logging, run_command
 
 log = logging.getLogger("diffusion3d")
 DEFAULT_CONFIG = configs.DEFAULT  # inside the package: found by a wheel install too
@@ -86,8 +85,13 @@ def plan_batch(cfg: C.Config, device, dist) -> None:
         raise InputError(str(e)) from None
     largest = distributed.broadcast_object(largest)  # every rank uses rank 0's plan
     cfg.train.batch_size, cfg.train.gradient_accumulate_every = plan_accumulation(effective // dist.world_size, largest)
-    log.info("batch_size auto: largest micro-batch %d -> batch_size %d x accum %d (effective %d)", largest,
-             cfg.train.batch_size, cfg.train.gradient_accumulate_every, effective)
+    log.info(
+        "batch_size auto: largest micro-batch %d -> batch_size %d x accum %d (effective %d)",
+        largest,
+        cfg.train.batch_size,
+        cfg.train.gradient_accumulate_every,
+        effective,
+    )
 
 
 def install_signal_handlers(trainer: Trainer) -> None:
@@ -97,8 +101,12 @@ def install_signal_handlers(trainer: Trainer) -> None:
         if trainer.stop_requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         trainer.stop_requested = True
-        print(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
-              "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+            "(Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
@@ -123,7 +131,9 @@ def start_processes(cfg: C.Config) -> distributed.DistInfo:
     return dist
 
 
-def claim_results(cfg: C.Config, results: Path, dist: distributed.DistInfo, held: contextlib.ExitStack) -> tuple[str | None, tuple[Path, dict] | None]:
+def claim_results(
+    cfg: C.Config, results: Path, dist: distributed.DistInfo, held: contextlib.ExitStack
+) -> tuple[str | None, tuple[Path, dict] | None]:
     """Rank 0 alone locks the results folder (``held`` until run() returns; the kernel drops it on death)
     and decides what to resume, or why not; every rank follows that decision. Returns (checkpoint path,
     (path, state) on rank 0)."""
@@ -133,7 +143,9 @@ def claim_results(cfg: C.Config, results: Path, dist: distributed.DistInfo, held
         try:
             held.enter_context(storage.claim_folder(results, "run"))
             ckpt.remove_stale_temps(results / "checkpoints")  # a killed writer's; nobody else writes here now
-            found = ckpt.select_checkpoint(cfg.train.resume, cfg.train.overwrite, results / "checkpoints", cfg.to_dict())
+            found = ckpt.select_checkpoint(
+                cfg.train.resume, cfg.train.overwrite, results / "checkpoints", cfg.to_dict()
+            )
             decision = (str(found[0]) if found else None, None, 2)
         except BAD_INPUT as e:
             decision = (None, str(e), 2)
@@ -156,15 +168,18 @@ def prepare_results(cfg: C.Config, results: Path, dist: distributed.DistInfo) ->
     distributed.barrier()  # nobody reads results_dir (cache, checkpoint) before rank 0 has prepared it
 
 
-def resume(trainer: Trainer, resume_path: str | None, found: tuple[Path, dict] | None, dist: distributed.DistInfo) -> None:
+def resume(
+    trainer: Trainer, resume_path: str | None, found: tuple[Path, dict] | None, dist: distributed.DistInfo
+) -> None:
     """Load the chosen checkpoint: rank 0 has it already, the others read it from the shared folder."""
     if resume_path is None:
         return
     try:
         state = found[1] if found is not None else ckpt.load(Path(resume_path))
     except ckpt.CheckpointError as e:
-        raise InputError(f"{e} (rank {dist.rank}: every node must see results_dir, e.g. on a shared "
-                         "filesystem)") from None
+        raise InputError(
+            f"{e} (rank {dist.rank}: every node must see results_dir, e.g. on a shared filesystem)"
+        ) from None
     trainer.load_state_dict(state)
     log.info("resumed from %s at step %d (%d samples seen)", resume_path, trainer.step, trainer.stream.samples_seen)
 
@@ -172,10 +187,16 @@ def resume(trainer: Trainer, resume_path: str | None, found: tuple[Path, dict] |
 def train(trainer: Trainer, dist: distributed.DistInfo) -> str:
     """'finished' or 'interrupted' (SIGTERM/SIGINT: the step finished and a checkpoint saved)."""
     cfg = trainer.cfg
-    log.info("%d training cases, %d validation cases, device %s, precision %s, effective batch %d "
-             "(batch_size × accum × %d processes)", len(trainer.dataset), len(trainer.val_cases), dist.device,
-             cfg.train.precision,
-             cfg.train.batch_size * cfg.train.gradient_accumulate_every * dist.world_size, dist.world_size)
+    log.info(
+        "%d training cases, %d validation cases, device %s, precision %s, effective batch %d "
+        "(batch_size × accum × %d processes)",
+        len(trainer.dataset),
+        len(trainer.val_cases),
+        dist.device,
+        cfg.train.precision,
+        cfg.train.batch_size * cfg.train.gradient_accumulate_every * dist.world_size,
+        dist.world_size,
+    )
     install_signal_handlers(trainer)
     return trainer.train()
 
@@ -184,8 +205,11 @@ def report(status: str, trainer: Trainer, results: Path, dist: distributed.DistI
     if not dist.is_main:
         return 0
     if status == "interrupted":
-        print(f"stopped at step {trainer.step} on request; checkpoint saved in {results / 'checkpoints'}. "
-              "Run the same command again to resume.", flush=True)
+        print(
+            f"stopped at step {trainer.step} on request; checkpoint saved in {results / 'checkpoints'}. "
+            "Run the same command again to resume.",
+            flush=True,
+        )
     else:
         print(f"done: {trainer.step} steps; results in {results}", flush=True)
     return 0

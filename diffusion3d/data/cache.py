@@ -34,8 +34,12 @@ def transform_key(cfg: Config) -> str:
     keys = keys_where("cache")
     # data keys in one list in field order, the others by name: the layout the hash had before the metadata
     # named these keys, so caches already on disk stay valid
-    relevant: dict[str, Any] = {name: getattr(getattr(cfg, section), name)
-                                for section, names in keys.items() if section != "data" for name in names}
+    relevant: dict[str, Any] = {
+        name: getattr(getattr(cfg, section), name)
+        for section, names in keys.items()
+        if section != "data"
+        for name in names
+    }
     relevant["transforms"] = [getattr(cfg.data, name) for name in keys.get("data", ())]
     relevant["monai"] = monai.__version__
     return hashlib.sha1(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
@@ -57,12 +61,16 @@ def build_dataset(cases: Sequence[Case], cfg: Config, cache_dir: Path | None = N
     transform = training_transforms(cfg, keep_meta=True)
     kind = cfg.data.cache
     if kind == "memory":
-        return CacheDataset(items, transform, cache_rate=1.0, num_workers=max(cfg.data.num_workers, 1), progress=False, copy_cache=False)
+        return CacheDataset(
+            items, transform, cache_rate=1.0, num_workers=max(cfg.data.num_workers, 1), progress=False, copy_cache=False
+        )
     if kind == "disk":
         if cache_dir is None:
             raise ValueError("cache: disk needs a cache_dir")
         folder = Path(cache_dir) / transform_key(cfg)
         folder.mkdir(parents=True, exist_ok=True)
         # reset_ops_id would put a TraceKeys enum back into the metadata, which the safe loader refuses
-        return PersistentDataset(items, transform, cache_dir=folder, hash_func=_item_hash, track_meta=True, reset_ops_id=False)
+        return PersistentDataset(
+            items, transform, cache_dir=folder, hash_func=_item_hash, track_meta=True, reset_ops_id=False
+        )
     return Dataset(items, transform)

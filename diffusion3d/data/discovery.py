@@ -69,8 +69,9 @@ def discover(cfg: Config) -> list[Case]:
 
 def _record_image_channels(cfg: Config, found: int, source) -> None:
     if cfg.data.image_channels not in (None, found):
-        raise DataError(f"{source}: {found} image channel(s) per case, but image_channels is set to "
-                        f"{cfg.data.image_channels}")
+        raise DataError(
+            f"{source}: {found} image channel(s) per case, but image_channels is set to {cfg.data.image_channels}"
+        )
     cfg.data.image_channels = found
 
 
@@ -97,8 +98,8 @@ def _image_columns(columns: Sequence[str]) -> list[str]:
     """``image`` alone, or ``image_0``, ``image_1``, ... in numeric order (so image_10 follows image_9)."""
     if "image" in columns:
         return ["image"]
-    numbered = [c for c in columns if c.startswith("image_") and c[len("image_"):].isdigit()]
-    return sorted(numbered, key=lambda c: int(c[len("image_"):]))
+    numbered = [c for c in columns if c.startswith("image_") and c[len("image_") :].isdigit()]
+    return sorted(numbered, key=lambda c: int(c[len("image_") :]))
 
 
 def _read_manifest(path: Path, need_mask: bool) -> list[Case]:

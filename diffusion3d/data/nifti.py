@@ -80,8 +80,10 @@ def _datatype_problem(img) -> str | None:
     if dtype.kind in "iuf" and dtype.itemsize > 0:
         return None
     if dtype.fields is not None:  # RGB24 / RGBA32: structured R, G, B(, A) bytes
-        return f"datatype {label} ({len(dtype.fields)} colour channels per voxel) is not supported; " \
-               "save a greyscale volume (one channel per file)"
+        return (
+            f"datatype {label} ({len(dtype.fields)} colour channels per voxel) is not supported; "
+            "save a greyscale volume (one channel per file)"
+        )
     if dtype.kind == "c":
         return f"datatype {label} (complex voxels) is not supported; save the magnitude or the real part as float32"
     return f"datatype {label} is not supported (not a real integer or float type)"
@@ -141,11 +143,15 @@ def check_header(path: Path, img, max_bytes: int | None = DEFAULT_MAX_VOLUME_BYT
         size = path.stat().st_size
         holds = None if size >= needed else size
     if holds is not None:
-        raise DataError(f"{path}: truncated file or wrong header: it declares {declared} of voxel data, "
-                        f"the file holds at most {_bytes(max(holds - offset, 0))}")
+        raise DataError(
+            f"{path}: truncated file or wrong header: it declares {declared} of voxel data, "
+            f"the file holds at most {_bytes(max(holds - offset, 0))}"
+        )
     if max_bytes is not None and nbytes > max_bytes:
-        raise DataError(f"{path}: header declares {declared}, over the ceiling of {_bytes(max_bytes)} per volume "
-                        "(max_volume_gb; raise it if the volume is real)")
+        raise DataError(
+            f"{path}: header declares {declared}, over the ceiling of {_bytes(max_bytes)} per volume "
+            "(max_volume_gb; raise it if the volume is real)"
+        )
     return shape
 
 
@@ -169,10 +175,14 @@ def read_volume(path: Path, max_bytes: int | None = DEFAULT_MAX_VOLUME_BYTES) ->
         if code:  # a datatype nibabel cannot decode (DT_BINARY, or a code outside the standard)
             n = int(code.group(1))
             label = nib.nifti1.data_type_codes.label[n] if n in nib.nifti1.data_type_codes.value_set() else "unknown"
-            raise DataError(f"{path}: datatype {label} (code {n}) is not supported (not a real integer or float type)") from None
+            raise DataError(
+                f"{path}: datatype {label} (code {n}) is not supported (not a real integer or float type)"
+            ) from None
         raise DataError(f"{path}: unsupported NIfTI header ({first})") from None
     except MemoryError:
-        raise DataError(f"{path}: not enough memory to read it (lower max_volume_gb to refuse such files early)") from None
+        raise DataError(
+            f"{path}: not enough memory to read it (lower max_volume_gb to refuse such files early)"
+        ) from None
     except (OSError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         kind = "truncated file" if "Expected" in first and "bytes" in first else "unreadable"

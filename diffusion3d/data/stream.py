@@ -73,8 +73,9 @@ class _MicroBatches(torch.utils.data.Sampler):
             micro += 1
 
 
-def make_loader(dataset, stream: SampleStream, batch_size: int, cfg: Config, pin_memory: bool, rank: int = 0,
-                world_size: int = 1):
+def make_loader(
+    dataset, stream: SampleStream, batch_size: int, cfg: Config, pin_memory: bool, rank: int = 0, world_size: int = 1
+):
     """An endless loader of micro-batches starting at ``stream.samples_seen``; the caller advances the stream."""
     view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed))
     workers = cfg.data.num_workers

@@ -44,7 +44,9 @@ def _spatial(cfg: Config, keys: list[str], modes: list[str], pad_values: list[fl
             out.append(Resized(keys=key, spatial_size=d.image_size, mode=mode, allow_missing_keys=True))
         else:
             out.append(
-                ResizeWithPadOrCropd(keys=key, spatial_size=d.image_size, mode="constant", value=value, allow_missing_keys=True)
+                ResizeWithPadOrCropd(
+                    keys=key, spatial_size=d.image_size, mode="constant", value=value, allow_missing_keys=True
+                )
             )
     return out
 
@@ -54,7 +56,13 @@ def _intensity(cfg: Config) -> list:
     if d.intensity == "percentile":
         return [
             ScaleIntensityRangePercentilesd(
-                keys="image", lower=d.lower_percentile, upper=d.upper_percentile, b_min=-1.0, b_max=1.0, clip=True, channel_wise=True
+                keys="image",
+                lower=d.lower_percentile,
+                upper=d.upper_percentile,
+                b_min=-1.0,
+                b_max=1.0,
+                clip=True,
+                channel_wise=True,
             )
         ]
     if d.intensity == "range":
@@ -131,8 +139,9 @@ class MaskGrid:
     float reference only its metadata is kept: the inverse needs the applied operations, not the voxels.
     """
 
-    def __init__(self, path: str | Path, cfg: Config, voxels: np.ndarray | None = None,
-                 affine: np.ndarray | None = None) -> None:
+    def __init__(
+        self, path: str | Path, cfg: Config, voxels: np.ndarray | None = None, affine: np.ndarray | None = None
+    ) -> None:
         self.path = Path(path)
         self.cfg = cfg
         if voxels is None:
@@ -143,8 +152,11 @@ class MaskGrid:
         keys, modes = ["mask", "ref"], ["nearest", "trilinear"]
         self.spatial = Compose(_spatial(cfg, keys, modes, [0.0, 0.0]))
         # as LoadImaged(ensure_channel_first) builds it: float32, channel first, the file's affine
-        loaded = MetaTensor(torch.as_tensor(np.asarray(voxels, dtype=np.float32))[None],
-                            affine=torch.as_tensor(self.original_affine), meta={"filename_or_obj": str(self.path)})
+        loaded = MetaTensor(
+            torch.as_tensor(np.asarray(voxels, dtype=np.float32))[None],
+            affine=torch.as_tensor(self.original_affine),
+            meta={"filename_or_obj": str(self.path)},
+        )
         d = self.spatial({"mask": loaded, "ref": loaded.clone()})
         self.mask = d["mask"].as_tensor().round().to(torch.uint8)  # [1, *image_size]
         self._ref_meta = dict(d["ref"].meta)

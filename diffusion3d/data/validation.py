@@ -182,9 +182,7 @@ def format_summary(summaries: Sequence[dict[str, Any]]) -> str:
             for label, count in s["labels"].items():
                 totals[label] = totals.get(label, 0) + count
                 present[label] = present.get(label, 0) + 1
-        lines.append(
-            "labels: " + ", ".join(f"{k}: {totals[k]} voxels in {present[k]} cases" for k in sorted(totals))
-        )
+        lines.append("labels: " + ", ".join(f"{k}: {totals[k]} voxels in {present[k]} cases" for k in sorted(totals)))
     warnings = sum(len(s["warnings"]) for s in summaries)
     if warnings:
         lines.append(f"warnings: {warnings}")

@@ -54,8 +54,12 @@ class Pair:
 def real_pairs(images_dir: Path, masks_dir: Path) -> list[Pair]:
     """Images and masks paired by case name; DataError listing every unpaired file."""
     images, masks = scan_folder(images_dir, ""), scan_folder(masks_dir, "")
-    errors = [f"{images[c]}: image without mask (no case {c!r} in {masks_dir})" for c in sorted(set(images) - set(masks))]
-    errors += [f"{masks[c]}: mask without image (no case {c!r} in {images_dir})" for c in sorted(set(masks) - set(images))]
+    errors = [
+        f"{images[c]}: image without mask (no case {c!r} in {masks_dir})" for c in sorted(set(images) - set(masks))
+    ]
+    errors += [
+        f"{masks[c]}: mask without image (no case {c!r} in {images_dir})" for c in sorted(set(masks) - set(images))
+    ]
     if errors:
         raise DataError(errors[0] + (f" (and {len(errors) - 1} more unpaired files)" if len(errors) > 1 else ""))
     return [Pair(c, c, images[c], masks[c]) for c in sorted(images)]
@@ -77,7 +81,9 @@ def make_splits(real: Sequence[Pair], synthetic: Sequence[Pair], num_test: int, 
     if not 1 <= num_test <= len(cases) - 1:
         raise DataError(f"{num_test} test cases of {len(cases)} real pairs: need at least one to train and one to test")
     test = sorted(random.Random(seed).sample(cases, num_test))
-    return _with_synthetic({"seed": seed, "real_train": [c for c in cases if c not in test], "real_test": test}, synthetic)
+    return _with_synthetic(
+        {"seed": seed, "real_train": [c for c in cases if c not in test], "real_test": test}, synthetic
+    )
 
 
 def _with_synthetic(splits: dict[str, Any], synthetic: Sequence[Pair]) -> dict[str, Any]:
@@ -87,8 +93,13 @@ def _with_synthetic(splits: dict[str, Any], synthetic: Sequence[Pair]) -> dict[s
     return splits
 
 
-def chosen_splits(real: Sequence[Pair], synthetic: Sequence[Pair], test: Sequence[str], seed: int | None = None,
-                  source: str = "--test_cases") -> dict[str, Any]:
+def chosen_splits(
+    real: Sequence[Pair],
+    synthetic: Sequence[Pair],
+    test: Sequence[str],
+    seed: int | None = None,
+    source: str = "--test_cases",
+) -> dict[str, Any]:
     """``test`` (case names, e.g. those the diffusion model never trained on) for testing, the rest for training."""
     names = [p.name for p in real]
     return _checked(source, names, [c for c in names if c not in set(test)], list(test), seed, synthetic)
@@ -105,22 +116,34 @@ def read_splits(path: Path, real: Sequence[Pair], synthetic: Sequence[Pair]) -> 
         raise DataError(f"{path}: not a JSON splits file ({e})") from None
     if not isinstance(splits, dict) or not all(isinstance(splits.get(k), list) for k in ("real_train", "real_test")):
         raise DataError(f"{path}: expected lists 'real_train' and 'real_test' of case names")
-    out = _checked(str(path), [p.name for p in real], splits["real_train"], splits["real_test"], splits.get("seed"), synthetic)
+    out = _checked(
+        str(path), [p.name for p in real], splits["real_train"], splits["real_test"], splits.get("seed"), synthetic
+    )
     if "synthetic_train" in splits:
         by_name = {p.name: p for p in synthetic}
         missing = [n for n in splits["synthetic_train"] if n not in by_name]
         if missing:
-            raise DataError(f"{path}: synthetic sample {missing[0]!r} is not in the samples folder ({len(missing)} missing)")
+            raise DataError(
+                f"{path}: synthetic sample {missing[0]!r} is not in the samples folder ({len(missing)} missing)"
+            )
         leaked = [n for n in splits["synthetic_train"] if by_name[n].case in set(out["real_test"])]
         if leaked:
-            raise DataError(f"{path}: synthetic sample {leaked[0]!r} was generated from a test mask (its labels are test labels)")
+            raise DataError(
+                f"{path}: synthetic sample {leaked[0]!r} was generated from a test mask (its labels are test labels)"
+            )
         out["synthetic_train"] = list(splits["synthetic_train"])
         out["synthetic_excluded"] = [p.name for p in synthetic if p.name not in set(out["synthetic_train"])]
     return out
 
 
-def _checked(source: str, names: Sequence[str], train: Sequence[str], test: Sequence[str], seed: int | None,
-             synthetic: Sequence[Pair]) -> dict[str, Any]:
+def _checked(
+    source: str,
+    names: Sequence[str],
+    train: Sequence[str],
+    test: Sequence[str],
+    seed: int | None,
+    synthetic: Sequence[Pair],
+) -> dict[str, Any]:
     unknown = [c for c in [*train, *test] if c not in set(names)]
     if unknown:
         raise DataError(f"{source}: case {unknown[0]!r} is not among the real pairs given ({len(unknown)} unknown)")
@@ -188,11 +211,23 @@ def build_network(settings: Settings, classes: int) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         if settings.network == "unet":
-            return UNet(spatial_dims=3, in_channels=1, out_channels=classes, channels=ch,
-                        strides=(2,) * (len(ch) - 1), num_res_units=1)
+            return UNet(
+                spatial_dims=3,
+                in_channels=1,
+                out_channels=classes,
+                channels=ch,
+                strides=(2,) * (len(ch) - 1),
+                num_res_units=1,
+            )
         # SegResNet: MONAI's default depth (1, 2, 2, 4) cut to the number of levels; widths double from ch[0]
-        return SegResNet(spatial_dims=3, init_filters=ch[0], in_channels=1, out_channels=classes,
-                         blocks_down=(1, 2, 2, 4, 4, 4)[: len(ch)], blocks_up=(1,) * (len(ch) - 1))
+        return SegResNet(
+            spatial_dims=3,
+            init_filters=ch[0],
+            in_channels=1,
+            out_channels=classes,
+            blocks_down=(1, 2, 2, 4, 4, 4)[: len(ch)],
+            blocks_up=(1,) * (len(ch) - 1),
+        )
 
 
 def default_patch(shapes: Sequence[tuple[int, ...]], multiple: int) -> tuple[int, int, int]:
@@ -221,11 +256,17 @@ def crop(volume: Volume, patch: Sequence[int], rng: torch.Generator) -> tuple[to
             start = int(torch.randint(s - p + 1, (1,), generator=rng))
         starts.append(start)
     (a, b, c), (p0, p1, p2) = starts, patch
-    return image[:, a:a + p0, b:b + p1, c:c + p2], label[:, a:a + p0, b:b + p1, c:c + p2]
+    return image[:, a : a + p0, b : b + p1, c : c + p2], label[:, a : a + p0, b : b + p1, c : c + p2]
 
 
-def train(volumes: Sequence[Volume], settings: Settings, classes: int, patch: Sequence[int], device: torch.device,
-          on_step: Callable[[int, float], None] | None = None) -> tuple[torch.nn.Module, float]:
+def train(
+    volumes: Sequence[Volume],
+    settings: Settings,
+    classes: int,
+    patch: Sequence[int],
+    device: torch.device,
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[torch.nn.Module, float]:
     """``settings.steps`` Adam steps of Dice + CE on random patches; returns the network and the last loss."""
     net = build_network(settings, classes).to(device)
     loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
@@ -253,8 +294,9 @@ def train(volumes: Sequence[Volume], settings: Settings, classes: int, patch: Se
 
 
 @torch.inference_mode()
-def dice_per_label(net: torch.nn.Module, volume: Volume, classes: int, patch: Sequence[int], overlap: float,
-                   device: torch.device) -> list[float]:
+def dice_per_label(
+    net: torch.nn.Module, volume: Volume, classes: int, patch: Sequence[int], overlap: float, device: torch.device
+) -> list[float]:
     """Dice of each foreground class on one whole volume (sliding window); NaN where the truth is empty."""
     logits = sliding_window_inference(volume.image[None].to(device), tuple(patch), 1, net, overlap=overlap)
     pred = torch.nn.functional.one_hot(logits.argmax(1), classes).movedim(-1, 1)
@@ -264,8 +306,11 @@ def dice_per_label(net: torch.nn.Module, volume: Volume, classes: int, patch: Se
 
 def _summary(values: list[float]) -> dict[str, float | int | None]:
     finite = [v for v in values if math.isfinite(v)]
-    return {"mean": float(np.mean(finite)) if finite else None, "std": float(np.std(finite)) if finite else None,
-            "n": len(finite)}
+    return {
+        "mean": float(np.mean(finite)) if finite else None,
+        "std": float(np.std(finite)) if finite else None,
+        "n": len(finite),
+    }
 
 
 def _mean_of_labels(dice: dict[str, dict[str, Any]]) -> float | None:
@@ -273,42 +318,73 @@ def _mean_of_labels(dice: dict[str, dict[str, Any]]) -> float | None:
     return float(np.mean(means)) if means else None
 
 
-def run(real: Sequence[Pair], synthetic: Sequence[Pair], splits: dict[str, Any], settings: Settings,
-        scaling: Scaling, device: torch.device | str = "cpu",
-        on_step: Callable[[str, int, float], None] | None = None) -> dict[str, Any]:
+def run(
+    real: Sequence[Pair],
+    synthetic: Sequence[Pair],
+    splits: dict[str, Any],
+    settings: Settings,
+    scaling: Scaling,
+    device: torch.device | str = "cpu",
+    on_step: Callable[[str, int, float], None] | None = None,
+) -> dict[str, Any]:
     """Train each arm and score it on the real test split; everything the outputs hold, in memory."""
     device = torch.device(device)
     by_name = {p.name: p for p in real} | {p.name: p for p in synthetic}
     is_synthetic = {"real_train": False, "real_test": False, "synthetic_train": True}
-    arrays = {key: [(name, *load_volume(by_name[name], scaling, flag)) for name in splits[key]]
-              for key, flag in is_synthetic.items()}
+    arrays = {
+        key: [(name, *load_volume(by_name[name], scaling, flag)) for name in splits[key]]
+        for key, flag in is_synthetic.items()
+    }
     labels = label_classes([m for key in ("real_train", "real_test") for _, _, m in arrays[key]], settings.labels)
     if not labels:
         raise DataError("the real masks hold no label other than 0: nothing to segment")
-    sets = {key: [Volume(name, torch.from_numpy(img)[None], to_classes(mask, labels)) for name, img, mask in items]
-            for key, items in arrays.items()}
+    sets = {
+        key: [Volume(name, torch.from_numpy(img)[None], to_classes(mask, labels)) for name, img, mask in items]
+        for key, items in arrays.items()
+    }
     multiple = 2 ** (len(settings.channels) - 1)
     patch = settings.patch or default_patch([v.image.shape[1:] for vs in sets.values() for v in vs], multiple)
     if any(p % multiple for p in patch):
-        raise ValueError(f"patch {tuple(patch)}: every side must be a multiple of {multiple} for {len(settings.channels)} levels")
-    training = {"real": sets["real_train"], "synthetic": sets["synthetic_train"],
-                "mixed": sets["real_train"] + sets["synthetic_train"]}
+        raise ValueError(
+            f"patch {tuple(patch)}: every side must be a multiple of {multiple} for {len(settings.channels)} levels"
+        )
+    training = {
+        "real": sets["real_train"],
+        "synthetic": sets["synthetic_train"],
+        "mixed": sets["real_train"] + sets["synthetic_train"],
+    }
     arms: dict[str, Any] = {}
     for arm in settings.arms:
         if not training[arm]:
             raise DataError(f"arm {arm!r}: no training volumes (check the samples folder and the splits)")
         start = time.perf_counter()
-        net, last_loss = train(training[arm], settings, len(labels) + 1, patch, device,
-                               None if on_step is None else (lambda s, v, arm=arm: on_step(arm, s, v)))
-        per_case = {v.name: dice_per_label(net, v, len(labels) + 1, patch, settings.overlap, device) for v in sets["real_test"]}
+        net, last_loss = train(
+            training[arm],
+            settings,
+            len(labels) + 1,
+            patch,
+            device,
+            None if on_step is None else (lambda s, v, arm=arm: on_step(arm, s, v)),
+        )
+        per_case = {
+            v.name: dice_per_label(net, v, len(labels) + 1, patch, settings.overlap, device) for v in sets["real_test"]
+        }
         dice = {str(label): _summary([d[k] for d in per_case.values()]) for k, label in enumerate(labels)}
-        arms[arm] = {"train_volumes": len(training[arm]), "final_loss": last_loss, "dice": dice,
-                     "mean_dice": _mean_of_labels(dice),
-                     "per_case": {name: dict(zip(map(str, labels), ds)) for name, ds in per_case.items()},
-                     "seconds": round(time.perf_counter() - start, 1)}
+        arms[arm] = {
+            "train_volumes": len(training[arm]),
+            "final_loss": last_loss,
+            "dice": dice,
+            "mean_dice": _mean_of_labels(dice),
+            "per_case": {name: dict(zip(map(str, labels), ds)) for name, ds in per_case.items()},
+            "seconds": round(time.perf_counter() - start, 1),
+        }
         log.info("%s: mean Dice %s on %d real test cases", arm, arms[arm]["mean_dice"], len(per_case))
-    settings_out = asdict(settings) | {"patch": list(patch), "labels": labels, "device": str(device),
-                                       "scaling": asdict(scaling)}
+    settings_out = asdict(settings) | {
+        "patch": list(patch),
+        "labels": labels,
+        "device": str(device),
+        "scaling": asdict(scaling),
+    }
     return {"settings": settings_out, "splits": splits, "labels": labels, "arms": arms}
 
 
@@ -317,8 +393,24 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for arm, r in result["arms"].items():
         for label, s in r["dice"].items():
-            rows.append({"arm": arm, "label": label, "dice_mean": s["mean"], "dice_std": s["std"], "n_test": s["n"],
-                         "train_volumes": r["train_volumes"]})
-        rows.append({"arm": arm, "label": "mean", "dice_mean": r["mean_dice"], "dice_std": None,
-                     "n_test": len(r["per_case"]), "train_volumes": r["train_volumes"]})
+            rows.append(
+                {
+                    "arm": arm,
+                    "label": label,
+                    "dice_mean": s["mean"],
+                    "dice_std": s["std"],
+                    "n_test": s["n"],
+                    "train_volumes": r["train_volumes"],
+                }
+            )
+        rows.append(
+            {
+                "arm": arm,
+                "label": "mean",
+                "dice_mean": r["mean_dice"],
+                "dice_std": None,
+                "n_test": len(r["per_case"]),
+                "train_volumes": r["train_volumes"],
+            }
+        )
     return rows

@@ -19,7 +19,8 @@ Distances:
   with ``scipy.linalg.sqrtm`` of a 2048 × 2048 product that is singular whenever a set has fewer than 2049
   volumes (and scipy is not a dependency here). A set with itself gives 0 up to rounding.
 - **MMD**: the unbiased estimate of MMD² with the linear kernel, i.e. of |E f(real) − E f(synthetic)|²:
-  MONAI's ``MMDMetric`` formula, written out because MONAI's accepts only sets of equal size. Its expectation is 0 for two independent sets from one distribution,
+  MONAI's ``MMDMetric`` formula, written out because MONAI's accepts only sets of equal size. Its expectation
+  is 0 for two independent sets from one distribution,
   and it can be negative; a set against itself is not independent of itself and scores below 0.
 - **Reference**: FID is biased upwards at small n, so a value means little alone. With k = n_real // 2, one
   random half of the real set is scored against the other half (what a perfect generator would get) and
@@ -64,8 +65,14 @@ def build_feature_network(name: str = "resnet50", layout: str = "medicalnet") ->
         raise ValueError(f"feature layout {layout!r}: expected one of {', '.join(FEATURE_LAYOUTS)}")
     depth = int(name.removeprefix("resnet"))
     bias_downsample, shortcut = nets.resnet.get_medicalnet_pretrained_resnet_args(depth)
-    net = getattr(nets, name)(spatial_dims=3, n_input_channels=1, feed_forward=False, shortcut_type=shortcut,
-                              bias_downsample=bias_downsample, conv1_t_stride=2)
+    net = getattr(nets, name)(
+        spatial_dims=3,
+        n_input_channels=1,
+        feed_forward=False,
+        shortcut_type=shortcut,
+        bias_downsample=bias_downsample,
+        conv1_t_stride=2,
+    )
     if layout == "medicalnet":
         dilate_like_medicalnet(net)
     return net.eval()
@@ -83,7 +90,9 @@ def dilate_like_medicalnet(net: nets.ResNet) -> None:
             if isinstance(shortcut, torch.nn.Sequential):  # type B: a strided 1×1×1 convolution
                 shortcut[0].stride = (1, 1, 1)
             elif isinstance(shortcut, functools.partial):  # type A: strided pooling and zero channels
-                block.downsample = functools.partial(shortcut.func, *shortcut.args, **{**shortcut.keywords, "stride": 1})
+                block.downsample = functools.partial(
+                    shortcut.func, *shortcut.args, **{**shortcut.keywords, "stride": 1}
+                )
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -98,15 +107,18 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         # torch's weights-only refusal is a paragraph; its reason follows "WeightsUnpickler error:"
         text = text.split("WeightsUnpickler error:", 1)[-1].strip() or "refused"
         reason = text.splitlines()[0]
-        raise DataError(f"{path}: not a PyTorch weights file torch loads with weights_only=True ({reason[:200]})") from None
+        raise DataError(
+            f"{path}: not a PyTorch weights file torch loads with weights_only=True ({reason[:200]})"
+        ) from None
     state = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else loaded
     if not isinstance(state, Mapping) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         raise DataError(f"{path}: not a state dict (expected a mapping of names to tensors, or one under 'state_dict')")
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def load_feature_network(path: Path, name: str = "resnet50", device: torch.device | str = "cpu",
-                         layout: str = "medicalnet") -> torch.nn.Module:
+def load_feature_network(
+    path: Path, name: str = "resnet50", device: torch.device | str = "cpu", layout: str = "medicalnet"
+) -> torch.nn.Module:
     """``build_feature_network(name, layout)`` with the weights in ``path``; DataError when they do not fit."""
     net = build_feature_network(name, layout)
     state = {k: v for k, v in read_state_dict(path).items() if not k.startswith(IGNORED_PREFIXES)}
@@ -122,8 +134,10 @@ def load_feature_network(path: Path, name: str = "resnet50", device: torch.devic
             problems.append(f"{len(unexpected)} unexpected (first: {unexpected[0]})")
         if wrong:
             k = wrong[0]
-            problems.append(f"{len(wrong)} of the wrong shape (first: {k} {tuple(state[k].shape)}, "
-                            f"expected {tuple(expected[k].shape)})")
+            problems.append(
+                f"{len(wrong)} of the wrong shape (first: {k} {tuple(state[k].shape)}, "
+                f"expected {tuple(expected[k].shape)})"
+            )
         raise DataError(f"{path}: not the MedicalNet {name} layout: {'; '.join(problems)}")
     net.load_state_dict(state, strict=True)
     return net.to(device)
@@ -147,8 +161,13 @@ def normalise(volume: np.ndarray, mode: str = "zscore") -> np.ndarray:
 
 
 @torch.inference_mode()
-def features(net: torch.nn.Module, volumes: Iterable[np.ndarray], device: torch.device | str = "cpu",
-             mode: str = "zscore", progress: Callable[[], None] | None = None) -> torch.Tensor:
+def features(
+    net: torch.nn.Module,
+    volumes: Iterable[np.ndarray],
+    device: torch.device | str = "cpu",
+    mode: str = "zscore",
+    progress: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """[N, F] float64 pooled features of volumes [D, H, W] in [0, 1], one at a time (shapes may differ)."""
     rows = []
     for volume in volumes:
@@ -165,7 +184,9 @@ def features(net: torch.nn.Module, volumes: Iterable[np.ndarray], device: torch.
 def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     """FID between feature sets a [n, F] and b [m, F] (n, m >= 2), exactly, in float64 (see the module doc)."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(len(a), len(b)) < 2:
-        raise ValueError(f"expected two [n >= 2, F] feature sets of one width, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"expected two [n >= 2, F] feature sets of one width, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     a, b = a.double(), b.double()
     mean_term = float(((a.mean(0) - b.mean(0)) ** 2).sum())
     ca = (a - a.mean(0)) / (len(a) - 1) ** 0.5
@@ -178,7 +199,9 @@ def mmd(a: torch.Tensor, b: torch.Tensor) -> float:
     """Unbiased MMD² with the linear kernel between feature sets a [n, F] and b [m, F], n, m >= 2: MONAI's
     ``MMDMetric`` formula (Gretton et al. 2012, eq. 3), which MONAI computes only for n = m."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(len(a), len(b)) < 2:
-        raise ValueError(f"expected two [n >= 2, F] feature sets of one width, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"expected two [n >= 2, F] feature sets of one width, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     a, b = a.double(), b.double()
 
     def within(x: torch.Tensor) -> float:  # mean kernel value over pairs i != j
@@ -190,9 +213,15 @@ def mmd(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(real: torch.Tensor, synthetic: torch.Tensor, seed: int = 0) -> dict[str, Any]:
     """FID and MMD of the two sets, and the reference at matched size (see ``reference``)."""
-    return {"n_real": len(real), "n_synthetic": len(synthetic), "feature_dim": int(real.shape[1]),
-            "fid": frechet_distance(real, synthetic), "mmd": mmd(real, synthetic),
-            "reference": reference(real, synthetic, seed), "notes": notes(len(real), len(synthetic), int(real.shape[1]))}
+    return {
+        "n_real": len(real),
+        "n_synthetic": len(synthetic),
+        "feature_dim": int(real.shape[1]),
+        "fid": frechet_distance(real, synthetic),
+        "mmd": mmd(real, synthetic),
+        "reference": reference(real, synthetic, seed),
+        "notes": notes(len(real), len(synthetic), int(real.shape[1])),
+    }
 
 
 def reference(real: torch.Tensor, synthetic: torch.Tensor, seed: int = 0) -> dict[str, Any] | None:
@@ -204,18 +233,27 @@ def reference(real: torch.Tensor, synthetic: torch.Tensor, seed: int = 0) -> dic
         return None
     rng = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(real), generator=rng)
-    first, second = real[order[:k]], real[order[k:2 * k]]
+    first, second = real[order[:k]], real[order[k : 2 * k]]
     picked = synthetic[torch.randperm(len(synthetic), generator=rng)[:k]]
-    return {"n": k, "fid_real_vs_real": frechet_distance(first, second), "fid_real_vs_synthetic": frechet_distance(first, picked),
-            "mmd_real_vs_real": mmd(first, second), "mmd_real_vs_synthetic": mmd(first, picked)}
+    return {
+        "n": k,
+        "fid_real_vs_real": frechet_distance(first, second),
+        "fid_real_vs_synthetic": frechet_distance(first, picked),
+        "mmd_real_vs_real": mmd(first, second),
+        "mmd_real_vs_synthetic": mmd(first, picked),
+    }
 
 
 def notes(n_real: int, n_synthetic: int, dim: int) -> list[str]:
     said = []
     if min(n_real, n_synthetic) <= dim:
-        said.append(f"fewer volumes than feature dimensions ({min(n_real, n_synthetic)} <= {dim}): the covariances "
-                    "are singular and FID is biased upwards; compare FIDs only at equal set sizes")
+        said.append(
+            f"fewer volumes than feature dimensions ({min(n_real, n_synthetic)} <= {dim}): the covariances "
+            "are singular and FID is biased upwards; compare FIDs only at equal set sizes"
+        )
     if min(n_real, n_synthetic) < 50:
-        said.append("under 50 volumes per set: FID and MMD vary strongly with the sample; report the reference "
-                    "(real half against real half, and against as many synthetic volumes) beside them")
+        said.append(
+            "under 50 volumes per set: FID and MMD vary strongly with the sample; report the reference "
+            "(real half against real half, and against as many synthetic volumes) beside them"
+        )
     return said

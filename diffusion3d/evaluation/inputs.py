@@ -68,7 +68,9 @@ def to_unit(volume: np.ndarray, lo: float, hi: float) -> torch.Tensor:
     return torch.from_numpy(np.clip((volume.astype(np.float64) - lo) / scale, 0.0, 1.0).astype(np.float32))[None, None]
 
 
-def real_bounds(volume: np.ndarray, real_range: tuple[float, float] | None, percentiles: tuple[float, float]) -> tuple[float, float]:
+def real_bounds(
+    volume: np.ndarray, real_range: tuple[float, float] | None, percentiles: tuple[float, float]
+) -> tuple[float, float]:
     if real_range is not None:
         return real_range
     lo, hi = np.percentile(volume, percentiles)

@@ -113,9 +113,15 @@ def _lesion_dice(volume: np.ndarray, inner: np.ndarray, lesion: np.ndarray, brig
     return dice(found & inner, lesion & inner)
 
 
-def mask_fidelity(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels: Sequence[int] = (1, 2),
-                  head_labels: Sequence[int] | None = None, lesion_label: int | None = None,
-                  rim: int = 2) -> dict[str, float]:
+def mask_fidelity(
+    sample: np.ndarray,
+    truth: np.ndarray,
+    mask: np.ndarray,
+    labels: Sequence[int] = (1, 2),
+    head_labels: Sequence[int] | None = None,
+    lesion_label: int | None = None,
+    rim: int = 2,
+) -> dict[str, float]:
     """Does the sample follow its mask? See the module docstring for each key."""
     _check(sample, truth, mask)
     labels = list(labels)
@@ -168,7 +174,9 @@ def mean_pairwise_ssim(samples: Sequence[np.ndarray]) -> float:
     return float(np.mean([ssim(a, b) for a, b in itertools.combinations(samples, 2)]))
 
 
-def score_sample(sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels: Sequence[int] = (1, 2)) -> dict[str, float]:
+def score_sample(
+    sample: np.ndarray, truth: np.ndarray, mask: np.ndarray, labels: Sequence[int] = (1, 2)
+) -> dict[str, float]:
     """mask_fidelity and realism in one flat dict of floats."""
     return {**mask_fidelity(sample, truth, mask, labels), **realism(sample, truth, mask)}
 
@@ -189,12 +197,17 @@ def diversity_ratio(model_div: float, data_div: float) -> float:
     return _ratio(model_div, data_div)
 
 
-def reference_diversity(samples: Sequence[np.ndarray], truth: np.ndarray, twin: np.ndarray | None,
-                        mask: np.ndarray) -> dict[str, float]:
+def reference_diversity(
+    samples: Sequence[np.ndarray], truth: np.ndarray, twin: np.ndarray | None, mask: np.ndarray
+) -> dict[str, float]:
     """The samples' diversity beside the data's, for one mask: model_div, data_div, div_ratio, and the
     twin's SSIM and sharpness ratio against the truth (NaN for the twin's keys where there is no twin)."""
-    out = {"model_div": model_diversity(samples), "data_div": float("nan"), "ssim_twin": float("nan"),
-           "sharpness_twin": float("nan")}
+    out = {
+        "model_div": model_diversity(samples),
+        "data_div": float("nan"),
+        "ssim_twin": float("nan"),
+        "sharpness_twin": float("nan"),
+    }
     if twin is not None:
         _check(truth, twin, mask)
         out["data_div"] = data_diversity(truth, twin)

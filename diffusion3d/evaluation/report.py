@@ -14,16 +14,31 @@ import html
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..monitor import montage
 
-PALETTE = np.array([(0, 0, 0), (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-                    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)], np.uint8)
+PALETTE = np.array(
+    [
+        (0, 0, 0),
+        (31, 119, 180),
+        (255, 127, 14),
+        (44, 160, 44),
+        (214, 39, 40),
+        (148, 103, 189),
+        (140, 86, 75),
+        (227, 119, 194),
+        (127, 127, 127),
+        (188, 189, 34),
+        (23, 190, 207),
+    ],
+    np.uint8,
+)
 REAL_COLOUR, SYNTHETIC_COLOUR = "#00897b", "#c2185b"  # teal, magenta: unlike any label colour
 Table = tuple[str, Sequence[str], Sequence[dict[str, Any]]]  # heading, columns, rows
 TILE_PX = 96  # on-screen size of a slice: the PNG keeps the voxels, the browser enlarges it by a whole factor
@@ -43,8 +58,9 @@ def encode_png(image: np.ndarray) -> bytes:
     rows = np.ascontiguousarray(image).reshape(height, -1)
     raw = np.concatenate([np.zeros((height, 1), np.uint8), rows], axis=1).tobytes()
     header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw, 9))
-            + _chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
+    )
 
 
 def data_uri(png: bytes) -> str:
@@ -68,8 +84,9 @@ class LabelHistogram:
     synthetic_sum: float = 0.0
 
 
-def case_montage(real: np.ndarray, samples: Sequence[np.ndarray], mask: np.ndarray | None,
-                 labels: Sequence[int]) -> np.ndarray:
+def case_montage(
+    real: np.ndarray, samples: Sequence[np.ndarray], mask: np.ndarray | None, labels: Sequence[int]
+) -> np.ndarray:
     """RGB uint8 [3·S, n·S, 3]: rows are the three mid-planes, columns mask (coloured) | real | samples."""
     columns = [torch.from_numpy(np.asarray(v, np.float32)) for v in (real, *samples)]
     grey = montage(columns)[0].numpy()  # [3S, nS] in [0, 1]
@@ -99,7 +116,9 @@ class Report:
         self.histograms: dict[int, LabelHistogram] = {}
         self.n_cases = 0
 
-    def add_case(self, case: str, real: np.ndarray, samples: Sequence[np.ndarray], mask: np.ndarray | None = None) -> None:
+    def add_case(
+        self, case: str, real: np.ndarray, samples: Sequence[np.ndarray], mask: np.ndarray | None = None
+    ) -> None:
         """Volumes [D, H, W] in [0, 1] (as evaluated); mask: the label map on the same grid, or None."""
         self.n_cases += 1
         labels = sorted(int(v) for v in np.unique(mask)) if mask is not None else []
@@ -112,7 +131,9 @@ class Report:
             return
         for label in labels:
             inside = mask == label
-            h = self.histograms.setdefault(label, LabelHistogram(np.zeros(len(self.edges) - 1), np.zeros(len(self.edges) - 1)))
+            h = self.histograms.setdefault(
+                label, LabelHistogram(np.zeros(len(self.edges) - 1), np.zeros(len(self.edges) - 1))
+            )
             r = real[inside]
             h.real += np.histogram(np.clip(r, 0, 1), self.edges)[0]
             h.real_sum += float(r.sum())
@@ -121,25 +142,34 @@ class Report:
                 h.synthetic += np.histogram(np.clip(v, 0, 1), self.edges)[0]
                 h.synthetic_sum += float(v.sum())
 
-    def render(self, title: str, summary: Sequence[Table], details: Sequence[Table] = (), notes: Sequence[str] = ()) -> str:
+    def render(
+        self, title: str, summary: Sequence[Table], details: Sequence[Table] = (), notes: Sequence[str] = ()
+    ) -> str:
         """The page: notes, the montages first (people look at samples before they read numbers), then the
         ``summary`` tables beside the histograms, and last the ``details`` tables. A table is (heading,
         columns, rows)."""
         parts = [f"<h1>{html.escape(title)}</h1>"]
         parts += [f"<p class=note>{html.escape(n)}</p>" for n in notes]
         if self.figures:
-            shown = f"{len(self.figures)} of {self.n_cases}" if self.n_cases > len(self.figures) else f"all {self.n_cases}"
-            parts.append(f"<h2>Mid-slices ({shown} cases)</h2><p class=note>Rows: the three orthogonal mid-planes; "
-                         "columns: mask (labels coloured), real image, samples.</p>")
+            shown = (
+                f"{len(self.figures)} of {self.n_cases}" if self.n_cases > len(self.figures) else f"all {self.n_cases}"
+            )
+            parts.append(
+                f"<h2>Mid-slices ({shown} cases)</h2><p class=note>Rows: the three orthogonal mid-planes; "
+                "columns: mask (labels coloured), real image, samples.</p>"
+            )
             parts.append("<div class=cases>" + "".join(figure_html(f) for f in self.figures) + "</div>")
         side = [table_section(t) for t in summary]
         if self.histograms:
-            side.append("<div><h2>Intensity inside each mask label, real vs. synthetic</h2>"
-                        f"<p class=note>Density over [0, 1] (the evaluated intensity scale), pooled over "
-                        f"{self.n_cases} case(s); dashed: the means; "
-                        f"<b style='color:{REAL_COLOUR}'>real</b>, <b style='color:{SYNTHETIC_COLOUR}'>synthetic</b>.</p>"
-                        "<div class=plots>" + "".join(histogram_svg(label, h, self.edges)
-                                                      for label, h in sorted(self.histograms.items())) + "</div></div>")
+            side.append(
+                "<div><h2>Intensity inside each mask label, real vs. synthetic</h2>"
+                f"<p class=note>Density over [0, 1] (the evaluated intensity scale), pooled over "
+                f"{self.n_cases} case(s); dashed: the means; "
+                f"<b style='color:{REAL_COLOUR}'>real</b>, <b style='color:{SYNTHETIC_COLOUR}'>synthetic</b>.</p>"
+                "<div class=plots>"
+                + "".join(histogram_svg(label, h, self.edges) for label, h in sorted(self.histograms.items()))
+                + "</div></div>"
+            )
         parts.append("<div class=row>" + "".join(side) + "</div>")
         parts += [table_section(t) for t in details]
         return PAGE.format(title=html.escape(title), body="\n".join(parts))
@@ -152,10 +182,16 @@ class Report:
         return self.render(
             "diffusion3d evaluation",
             summary=[("Summary (means over samples)", ["metric", "value"], summary)],
-            details=[("Per sample", [c for c in columns if not c.startswith("label")], rows),
-                     ("Per mask: diversity (MS-SSIM among its samples; lower = more diverse)",
-                      ["case", "n_samples", "ms_ssim", "ms_ssim_pairs", "ms_ssim_note"], result["cases"])],
-            notes=[f"Settings: {settings}. Every metric is computed on volumes mapped to [0, 1]."])
+            details=[
+                ("Per sample", [c for c in columns if not c.startswith("label")], rows),
+                (
+                    "Per mask: diversity (MS-SSIM among its samples; lower = more diverse)",
+                    ["case", "n_samples", "ms_ssim", "ms_ssim_pairs", "ms_ssim_note"],
+                    result["cases"],
+                ),
+            ],
+            notes=[f"Settings: {settings}. Every metric is computed on volumes mapped to [0, 1]."],
+        )
 
 
 # ---- HTML pieces ------------------------------------------------------------------------------------------
@@ -171,7 +207,8 @@ th {{ background: #f3f3f3; }} td:first-child, th:first-child {{ text-align: left
 .plots {{ display: flex; flex-wrap: wrap; gap: 12px; max-width: 700px; }}
 .row {{ display: flex; flex-wrap: wrap; gap: 32px; align-items: flex-start; }}
 .scroll {{ overflow-x: auto; }}
-.cases {{ display: flex; flex-wrap: wrap; gap: 16px; }} .case {{ margin: 0.5em 0; }} .case img {{ image-rendering: pixelated; display: block; }}
+.cases {{ display: flex; flex-wrap: wrap; gap: 16px; }} .case {{ margin: 0.5em 0; }}
+.case img {{ image-rendering: pixelated; display: block; }}
 .cols {{ display: flex; }} .cols span {{ text-align: center; font-size: 12px; color: #555; }}
 </style></head>
 <body>
@@ -206,9 +243,11 @@ def table_html(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
 def figure_html(figure: CaseFigure) -> str:
     tile = figure.tile * max(1, TILE_PX // figure.tile)  # 32³: 3× (96 px); 128³ and up: 1×, never shrunk
     captions = "".join(f"<span style='width:{tile}px'>{html.escape(c)}</span>" for c in figure.columns)
-    return (f"<div class=case><b>{html.escape(figure.case)}</b><div class=cols>{captions}</div>"
-            f"<img alt='mid-slices of {html.escape(figure.case)}' src='{data_uri(figure.png)}' "
-            f"width='{tile * len(figure.columns)}' height='{tile * 3}'></div>")
+    return (
+        f"<div class=case><b>{html.escape(figure.case)}</b><div class=cols>{captions}</div>"
+        f"<img alt='mid-slices of {html.escape(figure.case)}' src='{data_uri(figure.png)}' "
+        f"width='{tile * len(figure.columns)}' height='{tile * 3}'></div>"
+    )
 
 
 def _step_path(density: np.ndarray, edges: np.ndarray, x, y) -> str:
@@ -232,18 +271,29 @@ def histogram_svg(label: int, h: LabelHistogram, edges: np.ndarray, width: int =
     def y(v: float) -> float:
         return height - bottom - v / peak * (height - top - bottom)
 
-    means = [s / c.sum() if c.sum() else float("nan") for s, c in ((h.real_sum, h.real), (h.synthetic_sum, h.synthetic))]
+    means = [
+        s / c.sum() if c.sum() else float("nan") for s, c in ((h.real_sum, h.real), (h.synthetic_sum, h.synthetic))
+    ]
     title = f"label {label}: mean real {fmt(means[0])}, synthetic {fmt(means[1])}"
-    ticks = "".join(f"<line x1='{x(t):.1f}' x2='{x(t):.1f}' y1='{height - bottom}' y2='{height - bottom + 4}' stroke='#444'/>"
-                    f"<text x='{x(t):.1f}' y='{height - bottom + 16}' text-anchor='middle'>{t:g}</text>"
-                    for t in (0.0, 0.25, 0.5, 0.75, 1.0))
-    curves = "".join(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' points='{_step_path(d, edges, x, y)}'/>"
-                     for d, colour in zip(densities, (REAL_COLOUR, SYNTHETIC_COLOUR)))
-    mean_lines = "".join(f"<line x1='{x(m):.1f}' x2='{x(m):.1f}' y1='{top}' y2='{height - bottom}' stroke='{colour}' "
-                         "stroke-dasharray='3,3'/>"
-                         for m, colour in zip(means, (REAL_COLOUR, SYNTHETIC_COLOUR)) if math.isfinite(m))
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-size='11' "
-            f"role='img' aria-label='{html.escape(title)}' class='histogram' data-label='{label}'>"
-            f"<text x='{left}' y='14'>{html.escape(title)}</text>"
-            f"<line x1='{left}' x2='{width - right}' y1='{height - bottom}' y2='{height - bottom}' stroke='#444'/>"
-            f"{ticks}{mean_lines}{curves}</svg>")
+    ticks = "".join(
+        f"<line x1='{x(t):.1f}' x2='{x(t):.1f}' y1='{height - bottom}' y2='{height - bottom + 4}' stroke='#444'/>"
+        f"<text x='{x(t):.1f}' y='{height - bottom + 16}' text-anchor='middle'>{t:g}</text>"
+        for t in (0.0, 0.25, 0.5, 0.75, 1.0)
+    )
+    curves = "".join(
+        f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' points='{_step_path(d, edges, x, y)}'/>"
+        for d, colour in zip(densities, (REAL_COLOUR, SYNTHETIC_COLOUR))
+    )
+    mean_lines = "".join(
+        f"<line x1='{x(m):.1f}' x2='{x(m):.1f}' y1='{top}' y2='{height - bottom}' stroke='{colour}' "
+        "stroke-dasharray='3,3'/>"
+        for m, colour in zip(means, (REAL_COLOUR, SYNTHETIC_COLOUR))
+        if math.isfinite(m)
+    )
+    return (
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-size='11' "
+        f"role='img' aria-label='{html.escape(title)}' class='histogram' data-label='{label}'>"
+        f"<text x='{left}' y='14'>{html.escape(title)}</text>"
+        f"<line x1='{left}' x2='{width - right}' y1='{height - bottom}' y2='{height - bottom}' stroke='#444'/>"
+        f"{ticks}{mean_lines}{curves}</svg>"
+    )

@@ -41,8 +41,9 @@ class CaseFiles:
     second: Path | None = None  # a second real image of the same mask (test-retest), if the user has one
 
 
-def pair(samples_dir: Path, images_dir: Path, masks_dir: Path | None,
-         second_dir: Path | None = None) -> list[CaseFiles]:
+def pair(
+    samples_dir: Path, images_dir: Path, masks_dir: Path | None, second_dir: Path | None = None
+) -> list[CaseFiles]:
     """Group ``<case>_sample<i>`` files by case and find each case's image (and mask); DataError otherwise.
     A case may lack its second image (``second_dir/<case>.nii.gz``): it is then left out of the data's diversity."""
     for folder in [samples_dir, images_dir, *([masks_dir] if masks_dir else []), *([second_dir] if second_dir else [])]:
@@ -85,9 +86,15 @@ def ms_ssim_among(samples: list[torch.Tensor]) -> tuple[float | None, int, str]:
         return None, 0, "needs at least 2 samples"
     levels = ms_ssim_scales(tuple(samples[0].shape[2:]))
     if levels == 0:
-        return None, 0, f"volume {tuple(samples[0].shape[2:])} too small for MS-SSIM (smallest side < {2 * MS_SSIM_KERNEL})"
+        return (
+            None,
+            0,
+            f"volume {tuple(samples[0].shape[2:])} too small for MS-SSIM (smallest side < {2 * MS_SSIM_KERNEL})",
+        )
     weights = np.asarray(MS_SSIM_WEIGHTS[:levels]) / sum(MS_SSIM_WEIGHTS[:levels])
-    metric = MultiScaleSSIMMetric(spatial_dims=3, data_range=1.0, kernel_size=MS_SSIM_KERNEL, weights=tuple(weights.tolist()))
+    metric = MultiScaleSSIMMetric(
+        spatial_dims=3, data_range=1.0, kernel_size=MS_SSIM_KERNEL, weights=tuple(weights.tolist())
+    )
     pairs = list(itertools.combinations(range(len(samples)), 2))
     a = torch.cat([samples[i] for i, _ in pairs])
     b = torch.cat([samples[j] for _, j in pairs])
@@ -95,7 +102,9 @@ def ms_ssim_among(samples: list[torch.Tensor]) -> tuple[float | None, int, str]:
     return float(values.mean().item()), len(pairs), f"{levels} scales, window {MS_SSIM_KERNEL}"
 
 
-def label_stats(sample: np.ndarray, real: np.ndarray, mask: np.ndarray, labels: list[int]) -> dict[int, dict[str, float | int | None]]:
+def label_stats(
+    sample: np.ndarray, real: np.ndarray, mask: np.ndarray, labels: list[int]
+) -> dict[int, dict[str, float | int | None]]:
     """Per label: voxel count and the mean/std of intensity inside it in the real image and the sample."""
     out: dict[int, dict[str, float | int | None]] = {}
     for label in labels:
@@ -105,8 +114,13 @@ def label_stats(sample: np.ndarray, real: np.ndarray, mask: np.ndarray, labels: 
             out[label] = {"voxels": 0, "real_mean": None, "real_std": None, "sample_mean": None, "sample_std": None}
             continue
         r, s = real[inside], sample[inside]
-        out[label] = {"voxels": n, "real_mean": float(r.mean()), "real_std": float(r.std()),
-                      "sample_mean": float(s.mean()), "sample_std": float(s.std())}
+        out[label] = {
+            "voxels": n,
+            "real_mean": float(r.mean()),
+            "real_std": float(r.std()),
+            "sample_mean": float(s.mean()),
+            "sample_std": float(s.std()),
+        }
     return out
 
 
@@ -132,19 +146,31 @@ def evaluate(
             _, mask_np = read_volume(c.mask)
             if mask_np.shape != real_np.shape:
                 raise DataError(f"{c.mask}: mask shape {mask_np.shape} differs from image shape {real_np.shape}")
-        case_labels = labels if labels is not None else (sorted(int(v) for v in np.unique(mask_np)) if mask_np is not None else [])
+        case_labels = (
+            labels
+            if labels is not None
+            else (sorted(int(v) for v in np.unique(mask_np)) if mask_np is not None else [])
+        )
         units = []
         for index, path in sorted(c.samples):
             info, sample_np = read_volume(path)
             if sample_np.shape != real_np.shape:
-                raise DataError(f"{path}: sample shape {sample_np.shape} differs from the real image's {real_np.shape} ({c.image.name})")
+                raise DataError(
+                    f"{path}: sample shape {sample_np.shape} differs from the real image's {real_np.shape} "
+                    f"({c.image.name})"
+                )
             if not np.allclose(info.affine, real_info.affine, atol=1e-3):
                 log.warning("%s: affine differs from %s's; voxels are compared as they are", path, c.image.name)
             if not np.isfinite(sample_np).all():
                 raise DataError(f"{path}: contains NaN or infinite voxels")
             sample = to_unit(sample_np, *sample_range)
             units.append(sample)
-            row: dict[str, Any] = {"case": c.case, "sample": index, "file": path.name, **per_sample_metrics(sample, real)}
+            row: dict[str, Any] = {
+                "case": c.case,
+                "sample": index,
+                "file": path.name,
+                **per_sample_metrics(sample, real),
+            }
             if mask_np is not None:
                 stats = label_stats(sample[0, 0].numpy(), real[0, 0].numpy(), mask_np, case_labels)
                 row["labels"] = stats
@@ -153,18 +179,42 @@ def evaluate(
         ms, n_pairs, note = ms_ssim_among(units)
         if report is not None:
             report.add_case(c.case, real[0, 0].numpy(), [u[0, 0].numpy() for u in units], mask_np)
-        per_case.append({"case": c.case, "image": str(c.image), "mask": str(c.mask) if c.mask else None,
-                         "n_samples": len(units), "ms_ssim": ms, "ms_ssim_pairs": n_pairs, "ms_ssim_note": note,
-                         **against_second(c, real, real_np.shape, mask_np, units, real_range, real_percentiles)})
-    return {"settings": {"real_range": real_range, "real_percentiles": list(real_percentiles),
-                         "sample_range": list(sample_range), "labels": labels, "data_range": 1.0,
-                         "ms_ssim_kernel": MS_SSIM_KERNEL},
-            "summary": summarize(rows, per_case), "cases": per_case, "samples": rows}
+        per_case.append(
+            {
+                "case": c.case,
+                "image": str(c.image),
+                "mask": str(c.mask) if c.mask else None,
+                "n_samples": len(units),
+                "ms_ssim": ms,
+                "ms_ssim_pairs": n_pairs,
+                "ms_ssim_note": note,
+                **against_second(c, real, real_np.shape, mask_np, units, real_range, real_percentiles),
+            }
+        )
+    return {
+        "settings": {
+            "real_range": real_range,
+            "real_percentiles": list(real_percentiles),
+            "sample_range": list(sample_range),
+            "labels": labels,
+            "data_range": 1.0,
+            "ms_ssim_kernel": MS_SSIM_KERNEL,
+        },
+        "summary": summarize(rows, per_case),
+        "cases": per_case,
+        "samples": rows,
+    }
 
 
-def against_second(c: CaseFiles, real: torch.Tensor, shape: tuple[int, ...], mask: np.ndarray | None,
-                   units: list[torch.Tensor], real_range: tuple[float, float] | None,
-                   real_percentiles: tuple[float, float]) -> dict[str, Any]:
+def against_second(
+    c: CaseFiles,
+    real: torch.Tensor,
+    shape: tuple[int, ...],
+    mask: np.ndarray | None,
+    units: list[torch.Tensor],
+    real_range: tuple[float, float] | None,
+    real_percentiles: tuple[float, float],
+) -> dict[str, Any]:
     """model_div (1 − mean pairwise SSIM of the samples), and with a second real image data_div (1 − its SSIM
     against the first, scaled to [0, 1] the same way), div_ratio, ssim_twin and sharpness_twin."""
     second = None
@@ -187,23 +237,30 @@ def diversity_summary(per_case: list[dict[str, Any]]) -> dict[str, Any]:
     """Means over the cases; div_ratio over the cases that have both ≥ 2 samples and a second image, and a
     note saying what the ratio rests on (or why there is none)."""
     both = [c for c in per_case if _finite(c.get("model_div")) and _finite(c.get("data_div"))]
-    out: dict[str, Any] = {"model_div": _mean([c.get("model_div") for c in per_case]),
-                           "data_div": _mean([c.get("data_div") for c in per_case]),
-                           "ssim_twin": _mean([c.get("ssim_twin") for c in per_case]),
-                           "sharpness_twin": _mean([c.get("sharpness_twin") for c in per_case]),
-                           "div_ratio": None, "div_ratio_cases": len(both)}
+    out: dict[str, Any] = {
+        "model_div": _mean([c.get("model_div") for c in per_case]),
+        "data_div": _mean([c.get("data_div") for c in per_case]),
+        "ssim_twin": _mean([c.get("ssim_twin") for c in per_case]),
+        "sharpness_twin": _mean([c.get("sharpness_twin") for c in per_case]),
+        "div_ratio": None,
+        "div_ratio_cases": len(both),
+    }
     with_second = sum(1 for c in per_case if c.get("second_image"))
     if both:
         ratio = diversity_ratio(_mean([c["model_div"] for c in both]), _mean([c["data_div"] for c in both]))
         out["div_ratio"] = ratio if math.isfinite(ratio) else None
-        out["diversity_note"] = (f"div_ratio = model_div / data_div over the {len(both)} of {len(per_case)} masks "
-                                 "with >= 2 samples and a second real image")
+        out["diversity_note"] = (
+            f"div_ratio = model_div / data_div over the {len(both)} of {len(per_case)} masks "
+            "with >= 2 samples and a second real image"
+        )
     elif with_second:
         out["diversity_note"] = "second real images given, but no mask has >= 2 samples: no diversity ratio"
     else:
-        out["diversity_note"] = ("no second real image of any mask (--second_images DIR of <case>.nii.gz, e.g. "
-                                 "test-retest scans): the data's own diversity is unknown, so the samples' "
-                                 "diversity (model_div, ms_ssim) has no reference")
+        out["diversity_note"] = (
+            "no second real image of any mask (--second_images DIR of <case>.nii.gz, e.g. "
+            "test-retest scans): the data's own diversity is unknown, so the samples' "
+            "diversity (model_div, ms_ssim) has no reference"
+        )
     return out
 
 
@@ -211,8 +268,15 @@ def _finite(value: Any) -> bool:
     return isinstance(value, float) and math.isfinite(value)
 
 
-FIDELITY_KEYS = ("head_dice", "lesion_dice", "truth_head_dice", "truth_lesion_dice", "contrast_ratio",
-                 "abs_mean_error_max", "sharpness_ratio")
+FIDELITY_KEYS = (
+    "head_dice",
+    "lesion_dice",
+    "truth_head_dice",
+    "truth_lesion_dice",
+    "contrast_ratio",
+    "abs_mean_error_max",
+    "sharpness_ratio",
+)
 
 
 def fidelity(sample: np.ndarray, real: np.ndarray, mask: np.ndarray, labels: list[int]) -> dict[str, float]:
@@ -249,7 +313,11 @@ def summarize(rows: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> dic
             summary[key] = _mean([r.get(key) for r in rows])
     labels = sorted({k for r in rows for k in r.get("labels", {})})
     for label in labels:
-        diffs = [abs(s["sample_mean"] - s["real_mean"]) for r in rows if (s := r.get("labels", {}).get(label)) and s["voxels"]]
+        diffs = [
+            abs(s["sample_mean"] - s["real_mean"])
+            for r in rows
+            if (s := r.get("labels", {}).get(label)) and s["voxels"]
+        ]
         summary[f"label{label}_mean_abs_diff"] = _mean(diffs)
     return summary
 

@@ -22,9 +22,32 @@ def _positive(value) -> bool:
 def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, capsys):
     config = tiny(tmp_path).yaml()
     out = tmp_path / "bench.json"
-    code = bench.main(["--config", str(config), "--sizes", "16", "--precisions", "fp32,bf16", "--checkpointing", "off",
-                       "--quick", "--isolate", "off", "--sampling", "ddpm,dpmpp2m", "--sampling_max_steps", "2",
-                       "--loader", "--device", "cpu", "--threads", "1", "--json", str(out)])
+    code = bench.main(
+        [
+            "--config",
+            str(config),
+            "--sizes",
+            "16",
+            "--precisions",
+            "fp32,bf16",
+            "--checkpointing",
+            "off",
+            "--quick",
+            "--isolate",
+            "off",
+            "--sampling",
+            "ddpm,dpmpp2m",
+            "--sampling_max_steps",
+            "2",
+            "--loader",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     assert {"device", "device_name", "torch", "monai", "torch_threads", "load_average"} <= set(report["machine"])
@@ -35,7 +58,11 @@ def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, caps
             assert _positive(r[key]), (key, r[key])
         assert len(r["step_times_s"]) == 1  # --quick: one timed step
         assert "peak_fraction" not in r  # no GPU peak on CPU
-    samplers = [(r["sampler"], r["steps"], r["steps_run"], r["extrapolated"]) for r in report["sampling"] if r["precision"] == "fp32"]
+    samplers = [
+        (r["sampler"], r["steps"], r["steps_run"], r["extrapolated"])
+        for r in report["sampling"]
+        if r["precision"] == "fp32"
+    ]
     # ddpm runs all 50 training timesteps of the tiny config; capped at 2 and reported as extrapolated
     assert samplers == [("ddpm", 50, 2, True), ("dpmpp2m", 20, 2, True)]
     assert all(_positive(r["s_per_volume"]) and _positive(r["s_per_eval"]) for r in report["sampling"])
@@ -51,14 +78,36 @@ def test_memory_table_part_traces_each_configuration(tmp_path, capsys):
     checkpointing saving memory, the largest batch growing with the card."""
     config = tiny(tmp_path).yaml()
     out = tmp_path / "table.json"
-    code = bench.main(["--config", str(config), "--parts", "memory_table", "--table_sizes", "16x16x20:2",
-                       "--table_spaces", "pixel,wavelet2", "--table_precisions", "bf16", "--checkpointing", "both",
-                       "--table_cards", "1,2", "--device", "cpu", "--json", str(out)])
+    code = bench.main(
+        [
+            "--config",
+            str(config),
+            "--parts",
+            "memory_table",
+            "--table_sizes",
+            "16x16x20:2",
+            "--table_spaces",
+            "pixel,wavelet2",
+            "--table_precisions",
+            "bf16",
+            "--checkpointing",
+            "both",
+            "--table_cards",
+            "1,2",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = json.loads(out.read_text())["memory_table"]
     assert [(r["space"], r["checkpointing"], r["image_size"]) for r in rows] == [
-        ("pixel", False, [16, 16, 20]), ("pixel", True, [16, 16, 20]),
-        ("wavelet-2", False, [16, 16, 24]), ("wavelet-2", True, [16, 16, 24])]
+        ("pixel", False, [16, 16, 20]),
+        ("pixel", True, [16, 16, 20]),
+        ("wavelet-2", False, [16, 16, 24]),
+        ("wavelet-2", True, [16, 16, 24]),
+    ]
     assert all(r["image_channels"] == 2 and r["precision"] == "bf16" for r in rows)
     pixel, pixel_ckpt, wavelet, _ = rows
     assert pixel_ckpt["total_gb"] < pixel["total_gb"] and wavelet["total_gb"] < pixel["total_gb"]
@@ -73,10 +122,39 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
     cfg, config = run.cfg, run.yaml()
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "diffusion3d", "bench", "--config", str(config), "--sizes", "16", "--precisions", "fp32",
-         "--checkpointing", "off", "--accum", "2", "--quick", "--parts", "train", "--isolate", "on",
-         "--no_estimate", "--device", "cpu", "--threads", "1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env(),
+        [
+            sys.executable,
+            "-m",
+            "diffusion3d",
+            "bench",
+            "--config",
+            str(config),
+            "--sizes",
+            "16",
+            "--precisions",
+            "fp32",
+            "--checkpointing",
+            "off",
+            "--accum",
+            "2",
+            "--quick",
+            "--parts",
+            "train",
+            "--isolate",
+            "on",
+            "--no_estimate",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())["train"]
@@ -88,15 +166,21 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
     assert row["flops_per_step"] == 2 * micro
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--precisions", "fp16"], "fp16 is not supported on cpu"),
-    (["--sizes", "16,x"], "--sizes"),
-    (["--sampling", "warp"], "unknown sampler"),
-    (["--sampling", "euler"], "euler does not fit prediction"),  # the test config is Gaussian: flow samplers do not fit
-    (["--json", "/nonexistent/folder/out.json"], "does not exist"),
-    (["--parts", "memory_table", "--table_sizes", "16x16"], "--table_sizes"),
-    (["--parts", "memory_table", "--table_spaces", "wavelet3"], "unknown space"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--precisions", "fp16"], "fp16 is not supported on cpu"),
+        (["--sizes", "16,x"], "--sizes"),
+        (["--sampling", "warp"], "unknown sampler"),
+        (
+            ["--sampling", "euler"],
+            "euler does not fit prediction",
+        ),  # the test config is Gaussian: flow samplers do not fit
+        (["--json", "/nonexistent/folder/out.json"], "does not exist"),
+        (["--parts", "memory_table", "--table_sizes", "16x16"], "--table_sizes"),
+        (["--parts", "memory_table", "--table_spaces", "wavelet3"], "unknown space"),
+    ],
+)
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, needle):
     config = tiny(tmp_path).yaml()
     code = bench.main(["--config", str(config), "--device", "cpu", "--sizes", "16", *argv])
@@ -139,11 +223,14 @@ def test_flop_count_is_positive_and_scales_with_voxels(tmp_path):
     f16 = bench.count_train_flops(synthetic_trainer(cfg16, 1, accum=1))
     assert f16 == rest16 + att16
     assert bench.count_train_flops(synthetic_trainer(cfg16, 2, accum=1)) == 2 * f16  # deterministic, linear in batch
-    assert bench.count_train_flops(synthetic_trainer(cfg16, 1, accum=3)) == 3 * f16  # one optimizer step's micro-batches
+    assert (
+        bench.count_train_flops(synthetic_trainer(cfg16, 1, accum=3)) == 3 * f16
+    )  # one optimizer step's micro-batches
 
 
 def test_default_samplers_follow_the_configs_objective(tmp_path):
-    """--sampling auto (the default) times the samplers that fit the config: a flow config gets euler, heun and euler_a."""
+    """--sampling auto (the default) times the samplers that fit the config: a flow config gets
+    euler, heun and euler_a."""
     flow = tiny(tmp_path / "f", prediction="flow", sampler="heun", loss="l2").yaml()
     gauss = tiny(tmp_path / "g").yaml()
     args = bench.build_parser().parse_args(["--config", str(flow), "--device", "cpu", "--sizes", "16"])

@@ -36,8 +36,23 @@ def load_image(root, case: str) -> np.ndarray:
 
 
 def argv(root, *extra) -> list[str]:
-    return ["--samples", str(root / "samples"), "--images", str(root / "images"), "--masks", str(root / "masks"),
-            "--out", str(root / "eval"), "--real_range", "-0.2", "1.2", "--sample_range", "-0.2", "1.2", *extra]
+    return [
+        "--samples",
+        str(root / "samples"),
+        "--images",
+        str(root / "images"),
+        "--masks",
+        str(root / "masks"),
+        "--out",
+        str(root / "eval"),
+        "--real_range",
+        "-0.2",
+        "1.2",
+        "--sample_range",
+        "-0.2",
+        "1.2",
+        *extra,
+    ]
 
 
 def call(args: list[str], capsys) -> tuple[int, str]:
@@ -50,7 +65,9 @@ def test_perfect_against_itself_worse_against_a_perturbed_copy(folders, capsys):
     image = load_image(folders, "case_0")
     rng = np.random.default_rng(0)
     write_nifti(folders / "samples" / "case_0_sample0.nii.gz", image)
-    write_nifti(folders / "samples" / "case_0_sample1.nii.gz", image + rng.normal(0, 0.1, image.shape).astype(np.float32))
+    write_nifti(
+        folders / "samples" / "case_0_sample1.nii.gz", image + rng.normal(0, 0.1, image.shape).astype(np.float32)
+    )
     code, err = call(argv(folders, "--step", "7"), capsys)
     assert code == 0, err
     result = json.loads((folders / "eval" / "metrics.json").read_text())
@@ -61,7 +78,7 @@ def test_perfect_against_itself_worse_against_a_perturbed_copy(folders, capsys):
     assert same["psnr"] is None  # infinite: identical volumes (strict JSON has no inf)
     assert noisy["ssim"] < 0.9 and noisy["mae"] > 0.05 and 10 < noisy["psnr"] < 40
     # The identical sample has the real image's label statistics; the phantom's label means are ordered.
-    for label, stats in same["labels"].items():
+    for stats in same["labels"].values():
         assert stats["sample_mean"] == pytest.approx(stats["real_mean"]) and stats["voxels"] > 0
     means = [same["labels"][k]["real_mean"] for k in ("0", "1", "2")]
     assert means == sorted(means) and means[2] - means[0] > 0.5
@@ -102,8 +119,10 @@ def test_diversity_against_second_real_images_or_a_note_without_them(folders, ca
         write_nifti(folders / "second" / f"case_{i}.nii.gz", retest)
         write_nifti(folders / "samples" / f"case_{i}_sample0.nii.gz", image)
         write_nifti(folders / "samples" / f"case_{i}_sample1.nii.gz", image if i == 0 else retest)
-    code, err = call(argv(folders, "--second_images", str(folders / "second"), "--real_range", "0", "1",
-                          "--sample_range", "0", "1"), capsys)
+    code, err = call(
+        argv(folders, "--second_images", str(folders / "second"), "--real_range", "0", "1", "--sample_range", "0", "1"),
+        capsys,
+    )
     assert code == 0, err
     result = json.loads((folders / "eval" / "metrics.json").read_text())
     same, like_data = result["cases"]
@@ -111,8 +130,11 @@ def test_diversity_against_second_real_images_or_a_note_without_them(folders, ca
     assert same["data_div"] > 0.05 and same["ssim_twin"] == pytest.approx(1 - same["data_div"])
     assert like_data["div_ratio"] == pytest.approx(1.0, rel=1e-5)
     s = result["summary"]
-    assert s["div_ratio_cases"] == 2 and s["div_ratio"] == pytest.approx(
-        s["model_div"] / s["data_div"]) and "2 of 2 masks" in s["diversity_note"]
+    assert (
+        s["div_ratio_cases"] == 2
+        and s["div_ratio"] == pytest.approx(s["model_div"] / s["data_div"])
+        and "2 of 2 masks" in s["diversity_note"]
+    )
     assert "model_div" in (folders / "eval" / "cases.csv").read_text().splitlines()[0]
     code, err = call(argv(folders, "--overwrite"), capsys)
     assert code == 0, err
@@ -205,7 +227,9 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(folders, capsys, cas
     if case in ("no_image", "shape", "not_nifti"):
         assert "_sample0.nii.gz" in lines[0]
     if case == "exists":
-        assert sorted(p.name for p in out.iterdir()) == ["metrics.json"] and (out / "metrics.json").read_text() == "keep"
+        assert (
+            sorted(p.name for p in out.iterdir()) == ["metrics.json"] and (out / "metrics.json").read_text() == "keep"
+        )
     else:
         assert not out.exists()
 
@@ -215,7 +239,9 @@ def test_overwrite_replaces_results(folders, capsys):
     assert call(argv(folders), capsys)[0] == 0
     assert call(argv(folders), capsys)[0] == 2
     assert call(argv(folders, "--overwrite"), capsys)[0] == 0
-    assert math.isclose(json.loads((folders / "eval" / "metrics.json").read_text())["summary"]["ssim"], 1.0, abs_tol=1e-6)
+    assert math.isclose(
+        json.loads((folders / "eval" / "metrics.json").read_text())["summary"]["ssim"], 1.0, abs_tol=1e-6
+    )
 
 
 def test_mask_fidelity_and_sharpness_columns(folders, capsys):

@@ -24,7 +24,10 @@ def test_phantom_sets_are_seeded_and_the_test_masks_are_not_trained_on(tmp_path)
     b = Q.write_set("phantom", tmp_path / "b", 4, 3, seed=0, size=16, labels=[1, 2])
     for x, y in zip(a, b):
         assert np.array_equal(x.mask, y.mask) and np.array_equal(x.truth, y.truth)  # reproducible
-    train = [np.asarray(__import__("nibabel").load(str(p)).dataobj) for p in sorted((tmp_path / "a" / "train" / "masks").iterdir())]
+    train = [
+        np.asarray(__import__("nibabel").load(str(p)).dataobj)
+        for p in sorted((tmp_path / "a" / "train" / "masks").iterdir())
+    ]
     for case in a:
         assert not any(np.array_equal(case.mask, m) for m in train)
     assert len({c.mask.tobytes() for c in a}) == 3
@@ -48,8 +51,15 @@ def test_phantom_test_masks_have_an_independent_twin_and_the_ratio_reads_against
     assert scores["ssim_twin"] == pytest.approx(1 - scores["data_div"])
     like_data = np.stack([v for c in cases for v in (c.truth, c.twin)])
     assert Q.score_samples(like_data, cases, [1, 2])["div_ratio"] == pytest.approx(1.0, rel=1e-5)
-    row = {"run": "r", "set": "realistic", "step": 1, "train_s": 1.0, "sampling": "heun-5", "evaluations": 9,
-           **Q.score_samples(identical, [Q.TestCase(c.name, c.mask, c.truth) for c in cases], [1, 2])}
+    row = {
+        "run": "r",
+        "set": "realistic",
+        "step": 1,
+        "train_s": 1.0,
+        "sampling": "heun-5",
+        "evaluations": 9,
+        **Q.score_samples(identical, [Q.TestCase(c.name, c.mask, c.truth) for c in cases], [1, 2]),
+    }
     cells = Q.format_row(row).split(" | ")
     header = ["run", "set", "step", "train s", "sampling", "NFE", *[h for h, _, _ in Q.TABLE_KEYS]]
     assert [cells[header.index(h)] for h in ("data_div", "div_ratio", "SSIM twin")] == ["n/a"] * 3
@@ -69,7 +79,9 @@ def test_deform_pair_keeps_labels_and_range():
     assert set(np.unique(small_mask)) == {0, 1, 2}
     assert 0 <= small_image.min() and small_image.max() <= 1
     # intensity still follows the label after warping both the same way (bias field: ±~12 %)
-    assert small_image[small_mask == 2].mean() > small_image[small_mask == 1].mean() > small_image[small_mask == 0].mean()
+    assert (
+        small_image[small_mask == 2].mean() > small_image[small_mask == 1].mean() > small_image[small_mask == 0].mean()
+    )
     again, _ = Q.deform_pair(image, mask, np.random.default_rng(0), [1, 2], factor=2)
     assert np.array_equal(small_image, again)
 
@@ -95,22 +107,65 @@ def test_parse_sampling():
 
 def test_command_trains_scores_and_writes_json(tmp_path, capsys):
     out = tmp_path / "q.json"
-    code = bench_main(["--parts", "quality", "--config", str(tiny_yaml(tmp_path)), "--sets", "phantom", "--size", "16",
-                       "--steps", "3", "--eval_every", "2", "--n_train", "4", "--n_test", "2",
-                       "--sampling", "ddim:2,ddpm:3", "--real_pair", str(tmp_path / "absent"), "--out", str(out),
-                       "--save_samples", str(tmp_path / "s")])
+    code = bench_main(
+        [
+            "--parts",
+            "quality",
+            "--config",
+            str(tiny_yaml(tmp_path)),
+            "--sets",
+            "phantom",
+            "--size",
+            "16",
+            "--steps",
+            "3",
+            "--eval_every",
+            "2",
+            "--n_train",
+            "4",
+            "--n_test",
+            "2",
+            "--sampling",
+            "ddim:2,ddpm:3",
+            "--real_pair",
+            str(tmp_path / "absent"),
+            "--out",
+            str(out),
+            "--save_samples",
+            str(tmp_path / "s"),
+        ]
+    )
     assert code == 0
     saved = tmp_path / "s" / "phantom" / "step_000003" / "ddpm-3"
-    assert sorted(p.name for p in saved.iterdir())[:3] == ["case_000_sample0.nii.gz", "case_000_sample1.nii.gz",
-                                                          "case_000_truth.nii.gz"]
+    assert sorted(p.name for p in saved.iterdir())[:3] == [
+        "case_000_sample0.nii.gz",
+        "case_000_sample1.nii.gz",
+        "case_000_truth.nii.gz",
+    ]
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [(r["step"], r["sampling"]) for r in rows] == [(2, "ddim-2"), (2, "ddpm-3"), (3, "ddim-2"), (3, "ddpm-3")]
     for r in rows:
         assert r["set"] == "phantom" and r["evaluations"] in (2, 3)
-        for key in ("head_dice", "lesion_dice", "mean_error/0", "mean_error/1", "mean_error/2", "ssim", "psnr",
-                    "sharpness_ratio", "diversity", "contrast_ratio", "train_s", "train_cpu_s", "model_div", "data_div",
-                    "div_ratio", "ssim_twin", "sharpness_twin"):
+        for key in (
+            "head_dice",
+            "lesion_dice",
+            "mean_error/0",
+            "mean_error/1",
+            "mean_error/2",
+            "ssim",
+            "psnr",
+            "sharpness_ratio",
+            "diversity",
+            "contrast_ratio",
+            "train_s",
+            "train_cpu_s",
+            "model_div",
+            "data_div",
+            "div_ratio",
+            "ssim_twin",
+            "sharpness_twin",
+        ):
             assert key in r, key
         assert 0 <= r["head_dice"] <= 1 and -1 <= r["ssim"] <= 1
         assert r["data_div"] > 0.005 and r["div_ratio"] == pytest.approx(r["model_div"] / r["data_div"])
@@ -122,20 +177,50 @@ def test_command_trains_scores_and_writes_json(tmp_path, capsys):
 
 
 def test_realistic_set_is_skipped_with_a_message_without_the_real_pair(tmp_path, capsys):
-    code = Q.main(["--config", str(tiny_yaml(tmp_path)), "--sets", "realistic", "--size", "16", "--steps", "1",
-                   "--real_pair", str(tmp_path / "absent")])
+    code = Q.main(
+        [
+            "--config",
+            str(tiny_yaml(tmp_path)),
+            "--sets",
+            "realistic",
+            "--size",
+            "16",
+            "--steps",
+            "1",
+            "--real_pair",
+            str(tmp_path / "absent"),
+        ]
+    )
     assert code == 0
     assert "realistic set skipped" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--sets", "mri"], "--sets: unknown set 'mri'"),
-    (["--set", "lr"], "--set: expected key=value"),
-    (["--set", "colour=red"], "unknown config key 'colour'"),
-    (["--sampling", "euler:10"], "--sampling: euler does not fit prediction eps"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--sets", "mri"], "--sets: unknown set 'mri'"),
+        (["--set", "lr"], "--set: expected key=value"),
+        (["--set", "colour=red"], "unknown config key 'colour'"),
+        (["--sampling", "euler:10"], "--sampling: euler does not fit prediction eps"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
-    code = Q.main(["--config", str(tiny_yaml(tmp_path)), "--sets", "phantom", "--size", "16", "--steps", "1",
-                   "--n_train", "4", "--n_test", "1", *argv])
+    code = Q.main(
+        [
+            "--config",
+            str(tiny_yaml(tmp_path)),
+            "--sets",
+            "phantom",
+            "--size",
+            "16",
+            "--steps",
+            "1",
+            "--n_train",
+            "4",
+            "--n_test",
+            "1",
+            *argv,
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: ") and message in err[-1], err

@@ -62,8 +62,19 @@ def test_sample_sits_on_the_masks_grid(run, tmp_path, capsys):
     mask[17:23, 15:21, 12:18] = 2
     affine = oblique_affine()
     write_nifti(tmp_path / "masks" / "oblique.nii.gz", mask, affine)
-    code, err = call(["--checkpoint", str(checkpoint), "--masks", str(tmp_path / "masks" / "oblique.nii.gz"),
-                      "--out", str(tmp_path / "out"), "--steps", "2"], capsys)
+    code, err = call(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--masks",
+            str(tmp_path / "masks" / "oblique.nii.gz"),
+            "--out",
+            str(tmp_path / "out"),
+            "--steps",
+            "2",
+        ],
+        capsys,
+    )
     assert code == 0, err
     data, img = volume(tmp_path / "out" / "oblique_sample0.nii.gz")
     assert data.shape == (40, 36, 30)
@@ -76,7 +87,8 @@ def test_sample_sits_on_the_masks_grid(run, tmp_path, capsys):
 
 
 def test_seeds_reproducible_and_independent_of_batch_size(run, tmp_path, capsys):
-    """Same command twice: bitwise equal. Another batch_size: same noise, equal to float rounding. Another seed: different."""
+    """Same command twice: bitwise equal. Another batch_size: same noise, equal to float
+    rounding. Another seed: different."""
     cfg, _, checkpoint, _ = run
     (tmp_path / "masks").mkdir()
     for name in ("case_000.nii.gz", "case_001.nii.gz"):
@@ -84,13 +96,33 @@ def test_seeds_reproducible_and_independent_of_batch_size(run, tmp_path, capsys)
     outs = {}
     # 4 volumes in batches of 3 + 1 (one mixing two masks, one alone) vs 2 + 2.
     for name, seed, batch in [("a", 0, 3), ("again", 0, 3), ("b", 0, 2), ("c", 1, 3)]:
-        code, err = call(["--checkpoint", str(checkpoint), "--masks", str(tmp_path / "masks"), "--out",
-                          str(tmp_path / name), "--n", "2", "--steps", "2", "--seed", str(seed),
-                          "--batch_size", str(batch)], capsys)
+        code, err = call(
+            [
+                "--checkpoint",
+                str(checkpoint),
+                "--masks",
+                str(tmp_path / "masks"),
+                "--out",
+                str(tmp_path / name),
+                "--n",
+                "2",
+                "--steps",
+                "2",
+                "--seed",
+                str(seed),
+                "--batch_size",
+                str(batch),
+            ],
+            capsys,
+        )
         assert code == 0, err
         outs[name] = {p.name: volume(p)[0] for p in sorted((tmp_path / name).iterdir())}
-    assert sorted(outs["a"]) == ["case_000_sample0.nii.gz", "case_000_sample1.nii.gz",
-                                 "case_001_sample0.nii.gz", "case_001_sample1.nii.gz"]
+    assert sorted(outs["a"]) == [
+        "case_000_sample0.nii.gz",
+        "case_000_sample1.nii.gz",
+        "case_001_sample0.nii.gz",
+        "case_001_sample1.nii.gz",
+    ]
     for name in outs["a"]:
         np.testing.assert_array_equal(outs["a"][name], outs["again"][name])
         np.testing.assert_allclose(outs["a"][name], outs["b"][name], rtol=0, atol=1e-4)
@@ -101,14 +133,38 @@ def test_seeds_reproducible_and_independent_of_batch_size(run, tmp_path, capsys)
 def test_reproduces_the_trainers_validation_sample(run, tmp_path, capsys):
     """Volume 0 with the run's seed and the config's sampler = the sample the trainer wrote at that step."""
     cfg, results, checkpoint, val = run
-    code, err = call(["--checkpoint", str(results), "--masks", str(val.mask), "--out", str(tmp_path / "out"),
-                      "--seed", str(cfg.train.seed)], capsys)
+    code, err = call(
+        [
+            "--checkpoint",
+            str(results),
+            "--masks",
+            str(val.mask),
+            "--out",
+            str(tmp_path / "out"),
+            "--seed",
+            str(cfg.train.seed),
+        ],
+        capsys,
+    )
     assert code == 0, err
     ours, _ = volume(tmp_path / "out" / f"{val.name}_sample0.nii.gz")
     trainers, _ = volume(results / "samples" / "step_00000002" / f"{val.name}_sample0.nii.gz")
     np.testing.assert_array_equal(ours, trainers)
-    code, err = call(["--checkpoint", str(checkpoint), "--masks", str(val.mask), "--out", str(tmp_path / "raw"),
-                      "--seed", str(cfg.train.seed), "--weights", "model"], capsys)
+    code, err = call(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--masks",
+            str(val.mask),
+            "--out",
+            str(tmp_path / "raw"),
+            "--seed",
+            str(cfg.train.seed),
+            "--weights",
+            "model",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert not np.array_equal(volume(tmp_path / "raw" / f"{val.name}_sample0.nii.gz")[0], ours)  # EMA ≠ raw
 
@@ -122,8 +178,23 @@ def test_each_mask_file_is_read_once(run, tmp_path, capsys, monkeypatch):
     opened = []
     real_load = nib.load
     monkeypatch.setattr(nib, "load", lambda p, *a, **k: opened.append(str(p)) or real_load(p, *a, **k))
-    code, err = call(["--checkpoint", str(checkpoint), "--masks", str(tmp_path / "masks"), "--out", str(tmp_path / "out"),
-                      "--n", "2", "--steps", "1", "--batch_size", "3"], capsys)
+    code, err = call(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--masks",
+            str(tmp_path / "masks"),
+            "--out",
+            str(tmp_path / "out"),
+            "--n",
+            "2",
+            "--steps",
+            "1",
+            "--batch_size",
+            "3",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert sorted(opened) == sorted(str(p) for p in (tmp_path / "masks").iterdir())
 
@@ -206,9 +277,23 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(run, tmp_path, capsy
 def test_module_entry_point_one_line_error(tmp_path):
     """``python -m diffusion3d sample`` itself: exit 2, a single stderr line, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "diffusion3d", "sample", "--checkpoint", str(tmp_path / "missing.pt"),
-         "--masks", str(tmp_path), "--out", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env=subprocess_env(),
+        [
+            sys.executable,
+            "-m",
+            "diffusion3d",
+            "sample",
+            "--checkpoint",
+            str(tmp_path / "missing.pt"),
+            "--masks",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing.pt'}: checkpoint not found"]
@@ -221,8 +306,20 @@ def test_flow_checkpoint_samples_with_guidance_and_reproduces_validation(tmp_pat
     its default reproduces the run's own validation sample bitwise — also for a bf16 CPU run, whose
     validation sampled under bf16 autocast (the command used to drop it off CUDA) — and a Gaussian sampler
     is refused."""
-    cfg = tiny_config(tmp_path, precision=precision, prediction="flow", sampler="heun", sampling_steps=2, loss="l2", cond_drop_prob=0.3,
-                      guidance_scale=1.5, train_num_steps=2, save_every=2, sample_every=2, num_val_cases=1)
+    cfg = tiny_config(
+        tmp_path,
+        precision=precision,
+        prediction="flow",
+        sampler="heun",
+        sampling_steps=2,
+        loss="l2",
+        cond_drop_prob=0.3,
+        guidance_scale=1.5,
+        train_num_steps=2,
+        save_every=2,
+        sample_every=2,
+        num_val_cases=1,
+    )
     train, val = split_cases(discover(cfg), cfg.data.num_val_cases)
     results = tmp_path / "run"
     Trainer(cfg, build_dataset(train, cfg), "cpu", results, val).train()
@@ -235,12 +332,15 @@ def test_flow_checkpoint_samples_with_guidance_and_reproduces_validation(tmp_pat
     ours, _ = volume(tmp_path / "a" / name)
     theirs, _ = volume(results / "samples" / "step_00000002" / name)
     assert np.array_equal(ours, theirs)  # guidance 1.5 and heun-2 from the config, as in validation
-    code, err = call(["--checkpoint", str(results), "--masks", str(masks), "--out", str(tmp_path / "b"),
-                      "--guidance_scale", "1"], capsys)
+    code, err = call(
+        ["--checkpoint", str(results), "--masks", str(masks), "--out", str(tmp_path / "b"), "--guidance_scale", "1"],
+        capsys,
+    )
     assert code == 0, err
     assert not np.array_equal(volume(tmp_path / "b" / name)[0], ours)
-    code, err = call(["--checkpoint", str(results), "--masks", str(masks), "--out", str(tmp_path / "c"),
-                      "--sampler", "ddim"], capsys)
+    code, err = call(
+        ["--checkpoint", str(results), "--masks", str(masks), "--out", str(tmp_path / "c"), "--sampler", "ddim"], capsys
+    )
     assert code == 2 and "does not fit this checkpoint's flow model" in err
 
 
@@ -249,8 +349,19 @@ def test_wavelet_checkpoint_samples_without_flags(tmp_path, capsys, levels):
     """A run trained in wavelet space records it in its config: the command, given no space flag, samples
     its subbands, decodes them, writes them on an oblique mask's own grid and reproduces the run's own
     validation sample bitwise."""
-    cfg = tiny_config(tmp_path, space="wavelet", wavelet_levels=levels, prediction="flow", sampler="heun",
-                      sampling_steps=2, loss="l2", train_num_steps=2, save_every=2, sample_every=2, num_val_cases=1)
+    cfg = tiny_config(
+        tmp_path,
+        space="wavelet",
+        wavelet_levels=levels,
+        prediction="flow",
+        sampler="heun",
+        sampling_steps=2,
+        loss="l2",
+        train_num_steps=2,
+        save_every=2,
+        sample_every=2,
+        num_val_cases=1,
+    )
     train, val = split_cases(discover(cfg), cfg.data.num_val_cases)
     results = tmp_path / "run"
     Trainer(cfg, build_dataset(train, cfg), "cpu", results, val).train()
@@ -267,8 +378,10 @@ def test_wavelet_checkpoint_samples_without_flags(tmp_path, capsys, levels):
     oblique[12:28, 10:26, 8:22] = 1
     oblique[17:23, 15:21, 12:18] = 2
     write_nifti(tmp_path / "oblique.nii.gz", oblique, oblique_affine())
-    code, err = call(["--checkpoint", str(results), "--masks", str(tmp_path / "oblique.nii.gz"), "--out",
-                      str(tmp_path / "out")], capsys)
+    code, err = call(
+        ["--checkpoint", str(results), "--masks", str(tmp_path / "oblique.nii.gz"), "--out", str(tmp_path / "out")],
+        capsys,
+    )
     assert code == 0, err
     data, img = volume(tmp_path / "out" / "oblique_sample0.nii.gz")
     assert data.shape == (40, 36, 30)

@@ -1,4 +1,5 @@
-"""The command line end to end: the demo path, the override rules, bad flags, bundled configs, and the\nhelper every command shares (one-line errors, exit codes)."""
+"""The command line end to end: the demo path, the override rules, bad flags, bundled configs, and the
+helper every command shares (one-line errors, exit codes)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,29 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diffusion3d import configs
-
-from diffusion3d.commands import common as _cli
-
-from diffusion3d.commands import train as cli
 from diffusion3d import checkpoint as ckpt
-from diffusion3d import storage
 from diffusion3d import config as C
+from diffusion3d import configs, storage
+from diffusion3d.commands import common as _cli
+from diffusion3d.commands import train as cli
 from diffusion3d.data import DataError, DataProblems
 from tests.helpers import ROOT, subprocess_env, tiny
 
 
 def test_tiny_flags_build_the_tiny_config(tmp_path):
     """The one tiny run: its flags, parsed as train.py parses them, give exactly its config."""
-    for run in (tiny(tmp_path / "a"), tiny(tmp_path / "b", data=False, prediction="flow", sampler="heun",
-                                           precision="bf16", spacing=[1.0, 1.0, 2.0], image_dir=["x", "y"])):
+    for run in (
+        tiny(tmp_path / "a"),
+        tiny(
+            tmp_path / "b",
+            data=False,
+            prediction="flow",
+            sampler="heun",
+            precision="bf16",
+            spacing=[1.0, 1.0, 2.0],
+            image_dir=["x", "y"],
+        ),
+    ):
         assert cli.parse(run.flags)[1].to_dict() == run.cfg.to_dict()
     run = tiny(tmp_path / "c", base=C.load(configs.DEFAULT))  # on the default config: its recipe stays
     assert "--prediction" not in run.flags and cli.parse(run.flags)[1].diffusion.prediction == "flow"
@@ -39,7 +47,11 @@ def test_demo_run_end_to_end(tmp_path):
     run = tiny(tmp_path, base=C.load(configs.DEFAULT), sampling_steps=4, sample_every=4)
     proc = subprocess.run(
         [sys.executable, "train.py", *run.flags, "--with_condition", "--accum", "2"],  # the README's demo flags
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = tmp_path / "run"
@@ -53,8 +65,23 @@ def test_demo_run_end_to_end(tmp_path):
 
 def test_overrides_by_key_name(tmp_path):
     parser = cli.build_parser()
-    args = parser.parse_args(["--batch_size", "3", "--accum", "4", "--lr", "2e-4", "--labels", "[1,2,4]",
-                              "--no_with_condition", "--precision", "bf16", "--spacing", "[1.0,1.0,2]"])
+    args = parser.parse_args(
+        [
+            "--batch_size",
+            "3",
+            "--accum",
+            "4",
+            "--lr",
+            "2e-4",
+            "--labels",
+            "[1,2,4]",
+            "--no_with_condition",
+            "--precision",
+            "bf16",
+            "--spacing",
+            "[1.0,1.0,2]",
+        ]
+    )
     cfg = cli.resolve_config(args, parser)
     assert cfg.train.batch_size == 3
     assert cfg.train.gradient_accumulate_every == 4
@@ -124,7 +151,9 @@ def test_batch_size_auto_bad_values_exit_2(argv, message, capsys):
 def test_config_by_bundled_name_or_path(tmp_path, capsys):
     """--config takes a bundled config's name (with or without .yaml) or a path; the default ships inside
     the package, so an install without the source tree finds it."""
-    assert cli.DEFAULT_CONFIG == configs.DEFAULT and configs.DEFAULT.parent == Path(cli.__file__).parent.parent / "configs"
+    assert (
+        cli.DEFAULT_CONFIG == configs.DEFAULT and configs.DEFAULT.parent == Path(cli.__file__).parent.parent / "configs"
+    )
     assert {"default", "whole_head_128"} <= set(configs.names())
     args, cfg = cli.parse(["--config", "whole_head_128"])
     assert cfg.name == "whole_head_128" and cfg.data.image_size == [128, 128, 128]
@@ -137,7 +166,9 @@ def test_config_by_bundled_name_or_path(tmp_path, capsys):
         cli.run(["--config", "no_such_recipe"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: no_such_recipe: config file not found (bundled configs: brats_192, default, whole_head_128) (see train.py --help)"]
+        "error: no_such_recipe: config file not found (bundled configs: brats_192, default, whole_head_128) "
+        "(see train.py --help)"
+    ]
     with pytest.raises(C.ConfigError):
         configs.find("configs/default.yaml")  # a path with folders is never taken for a bundled name
 
@@ -151,26 +182,45 @@ def test_resume_from_a_run_folder(tmp_path, caplog):
         cli.main(first)
     assert exc.value.code == 0
     with pytest.raises(SystemExit) as exc:
-        cli.main([*first, "--results_dir", str(tmp_path / "more"), "--resume", str(tmp_path / "run"),
-                  "--train_num_steps", "3"])
+        cli.main(
+            [
+                *first,
+                "--results_dir",
+                str(tmp_path / "more"),
+                "--resume",
+                str(tmp_path / "run"),
+                "--train_num_steps",
+                "3",
+            ]
+        )
     assert exc.value.code == 0, caplog.text
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_00000002.pt'} at step 2" in caplog.text
     assert [p.name for p in (tmp_path / "more" / "checkpoints").iterdir()] == ["step_00000003.pt"]
 
 
 # ---- the shared command-line helper ----------------------------------------------------------------------
-@pytest.mark.parametrize("error, code, line", [
-    (_cli.InputError("--n: expected a positive integer"), 2, "error: --n: expected a positive integer"),
-    (DataError("a.nii.gz: not a 3D volume"), 2, "error: a.nii.gz: not a 3D volume"),
-    (C.ConfigError("lr: expected a number"), 2, "error: lr: expected a number"),
-    (ckpt.CheckpointError("s.pt: unreadable checkpoint"), 2, "error: s.pt: unreadable checkpoint"),
-    (storage.FolderLockedError("out: in use by another run (pid 1)"), 2, "error: out: in use by another run (pid 1)"),
-    (storage.StorageError("s.pt: cannot write checkpoint: No space left on device (ENOSPC)"), 1,
-     "error: s.pt: cannot write checkpoint: No space left on device (ENOSPC)"),
-    (OSError(errno.EIO, "Input/output error", "/x/y"), 1, "error: /x/y: Input/output error"),
-    (OSError(errno.EIO, "Input/output error"), 1, "error: Input/output error"),
-    (KeyboardInterrupt(), 130, "interrupted"),
-])
+@pytest.mark.parametrize(
+    "error, code, line",
+    [
+        (_cli.InputError("--n: expected a positive integer"), 2, "error: --n: expected a positive integer"),
+        (DataError("a.nii.gz: not a 3D volume"), 2, "error: a.nii.gz: not a 3D volume"),
+        (C.ConfigError("lr: expected a number"), 2, "error: lr: expected a number"),
+        (ckpt.CheckpointError("s.pt: unreadable checkpoint"), 2, "error: s.pt: unreadable checkpoint"),
+        (
+            storage.FolderLockedError("out: in use by another run (pid 1)"),
+            2,
+            "error: out: in use by another run (pid 1)",
+        ),
+        (
+            storage.StorageError("s.pt: cannot write checkpoint: No space left on device (ENOSPC)"),
+            1,
+            "error: s.pt: cannot write checkpoint: No space left on device (ENOSPC)",
+        ),
+        (OSError(errno.EIO, "Input/output error", "/x/y"), 1, "error: /x/y: Input/output error"),
+        (OSError(errno.EIO, "Input/output error"), 1, "error: Input/output error"),
+        (KeyboardInterrupt(), 130, "interrupted"),
+    ],
+)
 def test_run_command_maps_each_failure_to_one_line_and_its_exit_code(error, code, line, capsys):
     def body():
         raise error
@@ -186,8 +236,11 @@ def test_run_command_codes_extras_and_what_passes_through(capsys):
         raise DataProblems(["a.nii.gz: empty", "b.nii.gz: not NIfTI"], "2 of 5 cases are bad")
 
     assert _cli.run_command(problems) == 2
-    assert capsys.readouterr().err.splitlines() == ["error: a.nii.gz: empty", "error: b.nii.gz: not NIfTI",
-                                                    "error: 2 of 5 cases are bad; nothing was written"]
+    assert capsys.readouterr().err.splitlines() == [
+        "error: a.nii.gz: empty",
+        "error: b.nii.gz: not NIfTI",
+        "error: 2 of 5 cases are bad; nothing was written",
+    ]
 
     def missing():
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", "q.json")
@@ -213,7 +266,8 @@ def test_one_line_parser_error(capsys):
         parser.parse_args(["--n", "x"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: argument --n: invalid int value: 'x' (see python -m diffusion3d.thing --help)"]
+        "error: argument --n: invalid int value: 'x' (see python -m diffusion3d.thing --help)"
+    ]
 
 
 def test_commands_share_one_input_error():

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers import write_nifti
-from diffusion3d.evaluation import downstream as D
 from diffusion3d.commands import evaluate as E
+from diffusion3d.evaluation import downstream as D
+from tests.helpers import write_nifti
 
 SIZE = 16
 
@@ -41,9 +41,27 @@ def data(tmp_path):
 
 
 def argv(root, *extra) -> list[str]:
-    return ["downstream", "--images", str(root / "images"), "--masks", str(root / "masks"), "--samples",
-            str(root / "samples"), "--out", str(root / "out"), "--num_test", "2", "--steps", "120", "--channels", "8,16",
-            "--real_range", "0", "1", *extra]
+    return [
+        "downstream",
+        "--images",
+        str(root / "images"),
+        "--masks",
+        str(root / "masks"),
+        "--samples",
+        str(root / "samples"),
+        "--out",
+        str(root / "out"),
+        "--num_test",
+        "2",
+        "--steps",
+        "120",
+        "--channels",
+        "8,16",
+        "--real_range",
+        "0",
+        "1",
+        *extra,
+    ]
 
 
 def call(args: list[str], capsys) -> tuple[int, str, str]:
@@ -96,7 +114,9 @@ def test_segresnet_and_a_single_arm_without_samples(data, capsys):
     assert code == 0, err
     result = json.loads((data / "out" / "downstream.json").read_text())
     assert list(result["arms"]) == ["real"] and result["settings"]["network"] == "segresnet"
-    assert result["splits"]["synthetic_train"] == [] and all(0 <= d["mean"] <= 1 for d in result["arms"]["real"]["dice"].values())
+    assert result["splits"]["synthetic_train"] == [] and all(
+        0 <= d["mean"] <= 1 for d in result["arms"]["real"]["dice"].values()
+    )
 
 
 def test_test_cases_by_name(data, capsys):
@@ -151,7 +171,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(data, capsys, case, 
         write_nifti(data / "images" / "case_extra.nii.gz", np.zeros((SIZE,) * 3, np.float32))
     elif case == "no_samples":
         i = args.index("--samples")
-        del args[i:i + 2]
+        del args[i : i + 2]
     elif case == "arms":
         args += ["--arms", "real,bogus"]
     elif case == "patch":
@@ -159,7 +179,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(data, capsys, case, 
     elif case in ("splits_unknown", "splits_leak"):
         splits = {"real_train": ["case_0", "case_1"], "real_test": ["case_2"]}
         splits["real_train" if case == "splits_unknown" else "synthetic_train"] = (
-            ["case_0", "case_77"] if case == "splits_unknown" else ["case_2_sample0.nii.gz"])
+            ["case_0", "case_77"] if case == "splits_unknown" else ["case_2_sample0.nii.gz"]
+        )
         (data / "s.json").write_text(json.dumps(splits))
         args += ["--splits", str(data / "s.json")]
     elif case == "test_cases_unknown":

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import phantom, write_nifti
-from diffusion3d.evaluation import fid as D
 from diffusion3d.commands import evaluate as E
+from diffusion3d.evaluation import fid as D
+from tests.helpers import phantom, write_nifti
 
 SIZE = 16
 
@@ -54,7 +54,12 @@ def gaussian_fid(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_frechet_distance_is_monai_s_formula(n, m, dim):
     g = torch.Generator().manual_seed(n)
     a = torch.randn(n, dim, generator=g, dtype=torch.float64)
-    b = 1.5 * torch.randn(m, dim, generator=g, dtype=torch.float64) @ torch.randn(dim, dim, generator=g, dtype=torch.float64) + 0.5
+    b = (
+        1.5
+        * torch.randn(m, dim, generator=g, dtype=torch.float64)
+        @ torch.randn(dim, dim, generator=g, dtype=torch.float64)
+        + 0.5
+    )
     assert D.frechet_distance(a, b) == pytest.approx(gaussian_fid(a, b), rel=1e-6)
     assert D.frechet_distance(a, b) == pytest.approx(D.frechet_distance(b, a), rel=1e-9)
     assert abs(D.frechet_distance(a, a)) < 1e-9
@@ -66,7 +71,10 @@ def test_mmd_is_monai_s_unbiased_linear_estimate_for_any_set_sizes():
     from monai.metrics import MMDMetric
 
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(50, 8, generator=g, dtype=torch.float64), torch.randn(60, 8, generator=g, dtype=torch.float64) + 1.0
+    a, b = (
+        torch.randn(50, 8, generator=g, dtype=torch.float64),
+        torch.randn(60, 8, generator=g, dtype=torch.float64) + 1.0,
+    )
     assert D.mmd(a, b[:50]) == pytest.approx(float(MMDMetric()(a, b[:50])), rel=1e-9)  # MONAI's needs n = m
     # Unbiased MMD² with the linear kernel: off-diagonal means within each set, full mean across.
     within = lambda x: float((x @ x.T).sum() - (x * x).sum()) / (len(x) * (len(x) - 1))  # noqa: E731
@@ -82,8 +90,23 @@ def call(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 def argv(root, samples: str, weights, *extra) -> list[str]:
-    return ["distribution", "--real", str(root / "real"), "--samples", str(root / samples), "--feature_weights",
-            str(weights), "--out", str(root / f"out_{samples}"), "--device", "cpu", "--real_range", "0", "1", *extra]
+    return [
+        "distribution",
+        "--real",
+        str(root / "real"),
+        "--samples",
+        str(root / samples),
+        "--feature_weights",
+        str(weights),
+        "--out",
+        str(root / f"out_{samples}"),
+        "--device",
+        "cpu",
+        "--real_range",
+        "0",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("feature_input", ["zscore", "unit"])
@@ -154,7 +177,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(sets, weights, capsy
     out = sets / "out_same"
     if case == "no_weights":
         i = args.index("--feature_weights")
-        del args[i:i + 2]
+        del args[i : i + 2]
     elif case == "missing_file":
         args[args.index("--feature_weights") + 1] = str(tmp_path / "nowhere.pth")
     elif case == "garbage":

@@ -135,4 +135,8 @@ def test_an_all_black_sample_or_a_flat_truth_scores_nan_not_an_exception(case):
     assert math.isnan(r["contrast"]) and math.isnan(r["contrast_ratio"]) and r["sharpness_ratio"] == 0.0
     assert r["mean_error/1"] < -0.2 and r["head_dice"] == 0.0  # the rest is still scored
     flat = M.score_sample(image, np.zeros_like(image), mask)
-    assert math.isnan(flat["sharpness_ratio"]) and math.isnan(flat["contrast_truth"]) and math.isnan(flat["contrast_ratio"])
+    assert (
+        math.isnan(flat["sharpness_ratio"])
+        and math.isnan(flat["contrast_truth"])
+        and math.isnan(flat["contrast_ratio"])
+    )

@@ -13,9 +13,9 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.helpers import phantom, write_nifti
 from diffusion3d.commands import evaluate as E
 from diffusion3d.evaluation import report as R
+from tests.helpers import phantom, write_nifti
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -25,9 +25,9 @@ def decode_png(data: bytes) -> tuple[int, int, int, np.ndarray]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, chunks = 8, {}
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
         assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
         chunks[kind] = chunks.get(kind, b"") + body
         pos += 12 + length
@@ -86,10 +86,28 @@ def evaluated(tmp_path, capsys):
         write_nifti(tmp_path / "images" / f"case_{i}.nii.gz", image)
         write_nifti(tmp_path / "masks" / f"case_{i}.nii.gz", mask)
         write_nifti(tmp_path / "samples" / f"case_{i}_sample0.nii.gz", image)
-        write_nifti(tmp_path / "samples" / f"case_{i}_sample1.nii.gz", image + rng.normal(0, 0.1, image.shape).astype(np.float32))
-    args = ["--samples", str(tmp_path / "samples"), "--images", str(tmp_path / "images"), "--masks",
-            str(tmp_path / "masks"), "--out", str(tmp_path / "eval"), "--real_range", "-0.2", "1.2",
-            "--sample_range", "-0.2", "1.2", "--report_cases", "2"]
+        write_nifti(
+            tmp_path / "samples" / f"case_{i}_sample1.nii.gz",
+            image + rng.normal(0, 0.1, image.shape).astype(np.float32),
+        )
+    args = [
+        "--samples",
+        str(tmp_path / "samples"),
+        "--images",
+        str(tmp_path / "images"),
+        "--masks",
+        str(tmp_path / "masks"),
+        "--out",
+        str(tmp_path / "eval"),
+        "--real_range",
+        "-0.2",
+        "1.2",
+        "--sample_range",
+        "-0.2",
+        "1.2",
+        "--report_cases",
+        "2",
+    ]
     with pytest.raises(SystemExit) as exc:
         E.main(args)
     assert exc.value.code == 0, capsys.readouterr().err
@@ -117,8 +135,18 @@ def test_report_cases_zero_writes_no_report(tmp_path, capsys):
     write_nifti(tmp_path / "images" / "c.nii.gz", image)
     write_nifti(tmp_path / "samples" / "c_sample0.nii.gz", image)
     with pytest.raises(SystemExit) as exc:
-        E.main(["--samples", str(tmp_path / "samples"), "--images", str(tmp_path / "images"), "--out",
-                str(tmp_path / "eval"), "--report_cases", "0"])
+        E.main(
+            [
+                "--samples",
+                str(tmp_path / "samples"),
+                "--images",
+                str(tmp_path / "images"),
+                "--out",
+                str(tmp_path / "eval"),
+                "--report_cases",
+                "0",
+            ]
+        )
     assert exc.value.code == 0, capsys.readouterr().err
     assert not (tmp_path / "eval" / "report.html").exists() and (tmp_path / "eval" / "metrics.json").exists()
 
@@ -129,10 +157,26 @@ def test_report_renders_in_headless_chromium(evaluated, tmp_path):
     """The page as a browser draws it: the montage's label colours and both histogram colours are on screen."""
     image = pytest.importorskip("PIL.Image")
     shot = tmp_path / "shot.png"
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2400",
-                    evaluated.as_uri()], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1200,2400",
+            evaluated.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     pixels = np.asarray(image.open(shot).convert("RGB"))
     assert pixels.shape == (2400, 1200, 3)
     colours, counts = np.unique(pixels.reshape(-1, 3), axis=0, return_counts=True)
@@ -140,4 +184,4 @@ def test_report_renders_in_headless_chromium(evaluated, tmp_path):
     for label in (1, 2):  # the montages' mask columns (thousands of pixels at 120 px a slice)
         assert count.get(tuple(int(v) for v in R.label_colour(label)), 0) > 500, label
     for colour in (R.REAL_COLOUR, R.SYNTHETIC_COLOUR):  # the histograms' step curves (a few hundred pixels)
-        assert count.get(tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5)), 0) > 150, colour
+        assert count.get(tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5)), 0) > 150, colour
