@@ -443,19 +443,12 @@ class EmulatedAutocast(TorchFunctionMode):
 
 
 @dataclass
-class StepEstimate:
+class StepEstimate(StepMemory):
     """One training step traced on the meta device at micro-batch ``batch``: ``static_bytes`` (weights, EMA,
     AdamW moments), ``step_peak_bytes`` (the live-byte peak of the step's micro-batches: batch, activations,
     gradients, temporaries) and ``flops`` (forward + backward of one micro-batch, recomputation included)."""
 
-    batch: int
-    static_bytes: int
-    step_peak_bytes: int
-    flops: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.static_bytes + self.step_peak_bytes
+    flops: int = 0
 
 
 class _MetaCases(torch.utils.data.Dataset):
