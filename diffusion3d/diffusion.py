@@ -9,7 +9,9 @@ does not change them. The loss returns one value per sample; the trainer decides
 
 Sampling is one loop (``_Objective.sample``) around a sampler's ``step()``, as diffusers' and MONAI's
 schedulers are: the loop owns the start noise, the model call under guidance and autocast, the conversion
-of the model's output (where ``clip_x0`` applies), the progress bar and the callback; a step only moves x.
+of the model's output (where ``clip_x0`` applies: ``clamp``, from the space, brings a predicted x0 into
+range; in wavelet space on the decoded image, as WDM-3D does), the progress bar and the callback; a step
+only moves x.
 ``SAMPLERS`` is the one registry (name → step class, objective, default steps); everything else derives
 from it. Samplers (all batched):
   ddim     DDIM on an evenly strided subset of the training steps, eta configurable (0: deterministic)
@@ -44,14 +46,21 @@ import torch
 from tqdm.auto import tqdm
 
 from .seeding import SALT_COND_DROP, SALT_NOISE, SALT_SAMPLING, derive_seed
+from .space import make_space
 
 if TYPE_CHECKING:  # config imports this module (its sampler check reads SAMPLERS)
     from .config import Config
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Clamp = Callable[[torch.Tensor], torch.Tensor]  # a predicted x0 -> the nearest valid one (clip_x0)
 Noise = Callable[[Sequence[int]], torch.Tensor]  # size -> Gaussian noise on the sampling device
 
 FLOW_TIME_SCALE = 1000.0  # flow time t in [0, 1] reaches the UNet's sinusoidal embedding as t * 1000
+
+
+def unit_clamp(x0: torch.Tensor) -> torch.Tensor:
+    """clip_x0 where the model works on the image itself: every value into [-1, 1]."""
+    return x0.clamp(-1, 1)
 
 
 def make_betas(schedule: str, timesteps: int) -> torch.Tensor:
@@ -257,6 +266,7 @@ class GaussianDiffusion(_Objective):
         clip_x0: bool = True,
         seed: int = 0,
         cond_drop_prob: float = 0.0,
+        clamp: Clamp = unit_clamp,
     ) -> None:
         if prediction not in ("eps", "v", "x0"):
             raise ValueError(f"unknown prediction type {prediction!r}")
@@ -267,6 +277,7 @@ class GaussianDiffusion(_Objective):
         self.loss_type = loss
         self.min_snr_gamma = min_snr_gamma
         self.clip_x0 = clip_x0
+        self.clamp = clamp
         self.seed = seed
         self.cond_drop_prob = cond_drop_prob
         betas = make_betas(schedule, timesteps)
@@ -282,7 +293,15 @@ class GaussianDiffusion(_Objective):
     def from_config(cls, cfg: Config) -> GaussianDiffusion:
         d = cfg.diffusion
         return cls(
-            d.timesteps, d.schedule, d.prediction, d.loss, d.min_snr_gamma, d.clip_x0, cfg.train.seed, d.cond_drop_prob
+            d.timesteps,
+            d.schedule,
+            d.prediction,
+            d.loss,
+            d.min_snr_gamma,
+            d.clip_x0,
+            cfg.train.seed,
+            d.cond_drop_prob,
+            make_space(cfg).clamp,
         )
 
     # ---- noising and conversions (all fp32) -------------------------------------------------------
@@ -311,7 +330,7 @@ class GaussianDiffusion(_Objective):
         else:
             x0 = a * x_t - s * out
         if self.clip_x0:
-            x0 = x0.clamp(-1, 1)
+            x0 = self.clamp(x0)
         eps = (x_t - a * x0) / s
         return x0, eps
 
@@ -396,6 +415,7 @@ class RectifiedFlow(_Objective):
         clip_x0: bool = True,
         seed: int = 0,
         cond_drop_prob: float = 0.0,
+        clamp: Clamp = unit_clamp,
     ) -> None:
         if loss not in ("l1", "l2"):
             raise ValueError(f"unknown loss {loss!r}")
@@ -407,6 +427,7 @@ class RectifiedFlow(_Objective):
         self.loss_type = loss
         self.time_sampling = time_sampling
         self.clip_x0 = clip_x0
+        self.clamp = clamp
         self.seed = seed
         self.cond_drop_prob = cond_drop_prob
         self.prediction = "flow"
@@ -415,7 +436,8 @@ class RectifiedFlow(_Objective):
     def from_config(cls, cfg: Config) -> RectifiedFlow:
         d = cfg.diffusion
         shift = d.flow_shift if d.flow_shift is not None else resolution_shift(cfg.data.image_size)
-        return cls(shift, d.loss, d.flow_time_sampling, d.clip_x0, cfg.train.seed, d.cond_drop_prob)
+        clamp = make_space(cfg).clamp
+        return cls(shift, d.loss, d.flow_time_sampling, d.clip_x0, cfg.train.seed, d.cond_drop_prob, clamp)
 
     # ---- training ---------------------------------------------------------------------------------
     def draw(self, sample_ids: Sequence[int], shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,10 +470,10 @@ class RectifiedFlow(_Objective):
         return [float(shift_time(1 - i / steps, self.shift)) for i in range(steps + 1)]
 
     def velocity(self, out: torch.Tensor, x_t: torch.Tensor, t: float) -> torch.Tensor:
-        """The model's velocity, with its implied x0 clipped to [-1, 1] when clip_x0 (eps kept)."""
+        """The model's velocity, with its implied x0 clamped into range when clip_x0 (eps kept)."""
         if not self.clip_x0:
             return out
-        x0 = (x_t - t * out).clamp(-1, 1)
+        x0 = self.clamp(x_t - t * out)
         eps = x_t + (1 - t) * out
         return eps - x0
 

@@ -52,6 +52,8 @@ class Space(Protocol):
 
     def cond(self, cond: torch.Tensor) -> torch.Tensor: ...
 
+    def clamp(self, z: torch.Tensor) -> torch.Tensor: ...
+
     def cond_channels(self, label_channels: int) -> int: ...
 
     def latent_shape(self, image_channels: int, image_size: Sequence[int]) -> tuple[int, ...]: ...
@@ -71,6 +73,10 @@ class PixelSpace:
 
     def cond(self, cond: torch.Tensor) -> torch.Tensor:
         return cond
+
+    def clamp(self, z: torch.Tensor) -> torch.Tensor:
+        """clip_x0: the image's voxels into [-1, 1]."""
+        return z.clamp(-1, 1)
 
     def cond_channels(self, label_channels: int) -> int:
         return label_channels
@@ -147,6 +153,11 @@ class WaveletSpace:
         for _ in range(self.levels):
             x = ihaar3d(x / _lowpass_scale(x.shape[1], x))
         return x
+
+    def clamp(self, z: torch.Tensor) -> torch.Tensor:
+        """clip_x0 on subbands: decode, clamp the image to [-1, 1], encode (WDM-3D's ``clip_denoised``).
+        Clamping the subbands themselves would be wrong: a sharp edge's high band lies outside [-1, 1]."""
+        return self.encode(self.decode(z).clamp(-1, 1))
 
     def cond(self, cond: torch.Tensor) -> torch.Tensor:
         """The {-1, 1} one-hot [B, L, *size] on the subband grid: pooled label fractions or its subbands."""

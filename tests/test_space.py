@@ -141,3 +141,41 @@ def test_a_perfect_velocity_field_in_subband_space_decodes_to_the_image(levels, 
     flow = RectifiedFlow(shift=2.0, clip_x0=False)
     z = flow.sample(exact, (3, *space.latent_shape(2, [8, 8, 8])), sampler=sampler, steps=3, seeds=[1, 2, 3])
     torch.testing.assert_close(space.decode(z), image.expand(3, -1, -1, -1, -1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_clip_x0_in_wavelet_space_clamps_the_decoded_image_not_the_subbands(levels):
+    """A checkerboard of ±1 is a valid image whose high bands lie far outside [-1, 1] (its HHH band is ±√8).
+    With clip_x0 the space's clamp keeps the exact oracle exact; clamping every subband to [-1, 1] (the pixel
+    rule) would flatten it."""
+    space = S.WaveletSpace(levels)
+    idx = torch.arange(8)
+    board = ((idx.view(8, 1, 1) + idx.view(1, 8, 1) + idx.view(1, 1, 8)) % 2 * 2 - 1).float()
+    image = board.view(1, 1, 8, 8, 8)
+    target = space.encode(image)
+    assert target.abs().max() > 2  # the subbands of a valid image leave [-1, 1]
+
+    def exact(z_t, t_scaled, cond):
+        return (z_t - target) / (t_scaled / FLOW_TIME_SCALE).view(-1, 1, 1, 1, 1)
+
+    shape = (2, *space.latent_shape(1, [8, 8, 8]))
+    flow = RectifiedFlow(shift=2.0, clip_x0=True, clamp=space.clamp)
+    good = flow.sample(exact, shape, sampler="heun", steps=3, seeds=[1, 2])
+    torch.testing.assert_close(space.decode(good), image.expand(2, -1, -1, -1, -1), rtol=0, atol=1e-5)
+    bad = RectifiedFlow(shift=2.0, clip_x0=True).sample(exact, shape, sampler="heun", steps=3, seeds=[1, 2])
+    assert (space.decode(bad) - image).abs().max() > 0.25  # the checkerboard shrunk by a third
+    # and the clamp is the image's: a decoded volume out of range comes back in [-1, 1], one in range unchanged
+    z = space.encode(image * 3)
+    assert space.decode(space.clamp(z)).abs().max() <= 1 + 1e-6
+    torch.testing.assert_close(space.clamp(target), target, rtol=0, atol=1e-6)
+
+
+def test_the_objective_of_a_wavelet_config_clamps_in_image_space():
+    from diffusion3d.diffusion import make_diffusion
+
+    for prediction, sampler in (("flow", "heun"), ("eps", "ddim")):
+        cfg = configure(C.Config(), space="wavelet", prediction=prediction, sampler=sampler, image_size=[8, 8, 8])
+        z = S.WaveletSpace(1).encode(volumes((1, 1, 8, 8, 8)).sign())  # high bands beyond [-1, 1]
+        torch.testing.assert_close(make_diffusion(cfg).clamp(z), z, rtol=0, atol=1e-6)
+        pixel = configure(C.Config(), prediction=prediction, sampler=sampler, image_size=[8, 8, 8])
+        assert make_diffusion(pixel).clamp(z).abs().max() <= 1
