@@ -279,11 +279,13 @@ def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
 
 # ---- 2 processes under torchrun ---------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
+@pytest.mark.parametrize("space", ["pixel", "wavelet"])
+def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path, space):
     """2 ranks × batch 1 × accum 2 == 1 process × batch 1 × accum 4, step by step; rank 0 alone writes;
-    a checkpoint moves between 1 and 2 processes in both directions."""
+    a checkpoint moves between 1 and 2 processes in both directions. In pixel and in wavelet space."""
     base = tiny_config(
         tmp_path,
+        space=space,
         batch_size=1,
         train_num_steps=STEPS,
         save_every=1,
