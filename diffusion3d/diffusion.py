@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # config imports this module (its sampler check reads SAMPLER
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Clamp = Callable[[torch.Tensor], torch.Tensor]  # a predicted x0 -> the nearest valid one (clip_x0)
+ErrorWeight = Callable[[torch.Tensor], torch.Tensor | None]  # a batch -> per-channel weights of its error
 Noise = Callable[[Sequence[int]], torch.Tensor]  # size -> Gaussian noise on the sampling device
 
 FLOW_TIME_SCALE = 1000.0  # flow time t in [0, 1] reaches the UNet's sinusoidal embedding as t * 1000
@@ -61,6 +62,11 @@ FLOW_TIME_SCALE = 1000.0  # flow time t in [0, 1] reaches the UNet's sinusoidal 
 def unit_clamp(x0: torch.Tensor) -> torch.Tensor:
     """clip_x0 where the model works on the image itself: every value into [-1, 1]."""
     return x0.clamp(-1, 1)
+
+
+def no_error_weight(x: torch.Tensor) -> None:
+    """Every channel's error counts alike (the image's own voxels)."""
+    return None
 
 
 def make_betas(schedule: str, timesteps: int) -> torch.Tensor:
@@ -141,6 +147,9 @@ class _Objective:
                 out = model(x_t, net_t, cond)
         diff = out.float() - target
         per_voxel = diff.abs() if self.loss_type == "l1" else diff.square()
+        weight = self.error_weight(per_voxel)  # the space's: wavelet counts each band's error in image units
+        if weight is not None:
+            per_voxel = per_voxel * (weight if self.loss_type == "l2" else weight.sqrt())
         return per_voxel.flatten(1).mean(1)
 
     @property
@@ -267,6 +276,7 @@ class GaussianDiffusion(_Objective):
         seed: int = 0,
         cond_drop_prob: float = 0.0,
         clamp: Clamp = unit_clamp,
+        error_weight: ErrorWeight = no_error_weight,
     ) -> None:
         if prediction not in ("eps", "v", "x0"):
             raise ValueError(f"unknown prediction type {prediction!r}")
@@ -278,6 +288,7 @@ class GaussianDiffusion(_Objective):
         self.min_snr_gamma = min_snr_gamma
         self.clip_x0 = clip_x0
         self.clamp = clamp
+        self.error_weight = error_weight
         self.seed = seed
         self.cond_drop_prob = cond_drop_prob
         betas = make_betas(schedule, timesteps)
@@ -302,6 +313,7 @@ class GaussianDiffusion(_Objective):
             cfg.train.seed,
             d.cond_drop_prob,
             make_space(cfg).clamp,
+            make_space(cfg).error_weight,
         )
 
     # ---- noising and conversions (all fp32) -------------------------------------------------------
@@ -416,6 +428,7 @@ class RectifiedFlow(_Objective):
         seed: int = 0,
         cond_drop_prob: float = 0.0,
         clamp: Clamp = unit_clamp,
+        error_weight: ErrorWeight = no_error_weight,
     ) -> None:
         if loss not in ("l1", "l2"):
             raise ValueError(f"unknown loss {loss!r}")
@@ -428,6 +441,7 @@ class RectifiedFlow(_Objective):
         self.time_sampling = time_sampling
         self.clip_x0 = clip_x0
         self.clamp = clamp
+        self.error_weight = error_weight
         self.seed = seed
         self.cond_drop_prob = cond_drop_prob
         self.prediction = "flow"
@@ -436,8 +450,17 @@ class RectifiedFlow(_Objective):
     def from_config(cls, cfg: Config) -> RectifiedFlow:
         d = cfg.diffusion
         shift = d.flow_shift if d.flow_shift is not None else resolution_shift(cfg.data.image_size)
-        clamp = make_space(cfg).clamp
-        return cls(shift, d.loss, d.flow_time_sampling, d.clip_x0, cfg.train.seed, d.cond_drop_prob, clamp)
+        space = make_space(cfg)
+        return cls(
+            shift,
+            d.loss,
+            d.flow_time_sampling,
+            d.clip_x0,
+            cfg.train.seed,
+            d.cond_drop_prob,
+            space.clamp,
+            space.error_weight,
+        )
 
     # ---- training ---------------------------------------------------------------------------------
     def draw(self, sample_ids: Sequence[int], shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,6 +54,8 @@ class Space(Protocol):
 
     def clamp(self, z: torch.Tensor) -> torch.Tensor: ...
 
+    def error_weight(self, z: torch.Tensor) -> torch.Tensor | None: ...
+
     def cond_channels(self, label_channels: int) -> int: ...
 
     def latent_shape(self, image_channels: int, image_size: Sequence[int]) -> tuple[int, ...]: ...
@@ -77,6 +79,10 @@ class PixelSpace:
     def clamp(self, z: torch.Tensor) -> torch.Tensor:
         """clip_x0: the image's voxels into [-1, 1]."""
         return z.clamp(-1, 1)
+
+    def error_weight(self, z: torch.Tensor) -> None:
+        """Every voxel's squared error counts alike."""
+        return None
 
     def cond_channels(self, label_channels: int) -> int:
         return label_channels
@@ -158,6 +164,21 @@ class WaveletSpace:
         """clip_x0 on subbands: decode, clamp the image to [-1, 1], encode (WDM-3D's ``clip_denoised``).
         Clamping the subbands themselves would be wrong: a sharp edge's high band lies outside [-1, 1]."""
         return self.encode(self.decode(z).clamp(-1, 1))
+
+    def scale(self, channels: int, like: torch.Tensor) -> torch.Tensor:
+        """The factor ``encode`` applies to each of its ``channels`` output channels, [1, channels, 1, 1, 1]:
+        1 / 3 per low pass a band went through (WDM-3D's scale), 1 for the orthonormal high bands."""
+        scale = torch.ones(1, dtype=like.dtype, device=like.device)
+        for _ in range(self.levels):
+            scale = (scale.view(-1, 1) * _lowpass_scale(8, like).view(1, 8)).flatten()
+        return scale.repeat(channels // scale.numel()).view(1, channels, 1, 1, 1)
+
+    def error_weight(self, z: torch.Tensor) -> torch.Tensor:
+        """Per-channel weights that make the mean squared error over subbands the image's own MSE: an error e
+        in a band scaled by s is an error e / s of the decoded image (the transform is orthonormal), so the
+        low-pass band counts 9× (81× for the all-low band at 2 levels). Unweighted, the loss would count a
+        mistake in a region's mean intensity 9× less than the same mistake in pixel space."""
+        return self.scale(z.shape[1], z).square().reciprocal()
 
     def cond(self, cond: torch.Tensor) -> torch.Tensor:
         """The {-1, 1} one-hot [B, L, *size] on the subband grid: pooled label fractions or its subbands."""
