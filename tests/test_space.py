@@ -179,3 +179,42 @@ def test_the_objective_of_a_wavelet_config_clamps_in_image_space():
         torch.testing.assert_close(make_diffusion(cfg).clamp(z), z, rtol=0, atol=1e-6)
         pixel = configure(C.Config(), prediction=prediction, sampler=sampler, image_size=[8, 8, 8])
         assert make_diffusion(pixel).clamp(z).abs().max() <= 1
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_the_weighted_subband_error_is_the_decoded_images_error(levels):
+    """An error e in the subbands weighted by ``error_weight`` has the mean square of decode's error: the
+    loss in wavelet space counts a mistake in a region's mean as pixel space does (unweighted: 9× less)."""
+    space = S.WaveletSpace(levels)
+    x, e = volumes((2, 3, 8, 8, 8), seed=1), volumes((2, 3, 8, 8, 8), seed=2) * 0.1
+    z, z_err = space.encode(x), space.encode(x + e) - space.encode(x)
+    weighted = (z_err.square() * space.error_weight(z)).mean()
+    torch.testing.assert_close(weighted, e.square().mean(), rtol=1e-5, atol=0)
+    # a wrong mean intensity (a constant error) lies in the all-low band alone: unweighted it counts 9^levels× less
+    bias = torch.full_like(x, 0.1)
+    z_bias = space.encode(x + bias) - z
+    torch.testing.assert_close((z_bias.square() * space.error_weight(z)).mean(), torch.tensor(0.01), rtol=1e-4, atol=0)
+    torch.testing.assert_close(z_bias.square().mean(), torch.tensor(0.01 / 9**levels), rtol=1e-4, atol=0)
+    assert S.PixelSpace().error_weight(x) is None
+
+
+@pytest.mark.parametrize("loss", ["l2", "l1"])
+def test_the_wavelet_objectives_loss_weighs_the_low_pass_band(loss):
+    from diffusion3d.diffusion import make_diffusion
+
+    cfg = configure(C.Config(), space="wavelet", prediction="flow", sampler="heun", loss=loss, image_size=[8, 8, 8])
+    flow = make_diffusion(cfg)
+    x0 = S.WaveletSpace(1).encode(volumes((2, 1, 8, 8, 8)))
+    for band, factor in ((0, 9.0), (3, 1.0)):  # the low-pass band (scaled by 1/3) and a high band
+        offset = torch.zeros_like(x0)
+        offset[:, band] = 0.2
+
+        t, noise = flow.draw([0, 1], x0.shape[1:])  # what loss() draws for samples 0 and 1
+        velocity = flow.target(x0, t, noise)
+
+        def off_by(x_t, t, cond, wrong=velocity + offset):  # the exact velocity of each sample, plus an offset
+            return wrong
+
+        per_sample = flow.loss(off_by, x0, None, [0, 1])
+        expected = (0.2**2 * factor if loss == "l2" else 0.2 * factor**0.5) / 8  # one band of 8
+        torch.testing.assert_close(per_sample, torch.full((2,), expected), rtol=1e-5, atol=0)

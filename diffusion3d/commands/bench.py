@@ -409,6 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="YAML config whose model/diffusion to measure: a path or a bundled config's name (default: default)",
     )
     p.add_argument("--sizes", default="32,64,128", help="grid sizes (cubes) for training, comma-separated")
+    p.add_argument(
+        "--spaces",
+        default=None,
+        help="training: spaces to measure at each size, from pixel, wavelet1, wavelet2 (default: the config's)",
+    )
     p.add_argument("--precisions", default="auto", help="auto (all the device supports) or e.g. fp32,bf16")
     p.add_argument("--batch_size", default=None, help="micro-batch size(s), comma-separated (default: the config's)")
     p.add_argument("--accum", default=None, help="accumulation step(s), comma-separated (default: the config's)")
@@ -512,6 +517,7 @@ class Plan:
     sampling_max_steps: int | None
     threads: int | None
     table: TableSpec | None = None
+    spaces: list[tuple[str, int]] | None = None  # training: (space, wavelet levels); None: the config's
 
 
 def _resolve_precisions(text: str, device: torch.device) -> list[str]:
@@ -582,6 +588,7 @@ def resolve_args(args: argparse.Namespace) -> Plan:
         sampling_max_steps=args.sampling_max_steps or (4 if args.quick else None),
         threads=args.threads,
         table=_resolve_table(args) if {"memory_table", "memory_check"} & _resolve_parts(args) else None,
+        spaces=[_space(name, "--spaces") for name in comma_list(args.spaces)] if args.spaces else None,
     )
 
 
@@ -608,16 +615,26 @@ def _resolve_table(args: argparse.Namespace) -> TableSpec:
         if len(sides) != 3 or min(sides) < 1 or count < 1:
             raise InputError(f"--table_sizes: expected three positive sides and channels, got {item!r}")
         sizes.append((sides, count))
-    known = {"pixel": ("pixel", 1), "wavelet1": ("wavelet", 1), "wavelet2": ("wavelet", 2)}
-    spaces = comma_list(args.table_spaces)
+    spaces = [_space(name, "--table_spaces") for name in comma_list(args.table_spaces)]
     precisions = comma_list(args.table_precisions)
-    for name in spaces:
-        if name not in known:
-            raise InputError(f"--table_spaces: unknown space {name!r} (choose from {', '.join(known)})")
     for p in precisions:
         if p not in ("fp32", "fp16", "bf16"):
             raise InputError(f"--table_precisions: {p!r} is not one of fp32, fp16, bf16")
-    return TableSpec(sizes, [known[n] for n in spaces], precisions, _int_list(args.table_cards, "table_cards"))
+    return TableSpec(sizes, spaces, precisions, _int_list(args.table_cards, "table_cards"))
+
+
+SPACES = {"pixel": ("pixel", 1), "wavelet1": ("wavelet", 1), "wavelet2": ("wavelet", 2)}
+
+
+def _space(name: str, flag: str) -> tuple[str, int]:
+    """A space's bench name (pixel, wavelet1, wavelet2) → (data.space, data.wavelet_levels)."""
+    if name not in SPACES:
+        raise InputError(f"{flag}: unknown space {name!r} (choose from {', '.join(SPACES)})")
+    return SPACES[name]
+
+
+def space_label(space: str, levels: int) -> str:
+    return f"{space}{levels if space == 'wavelet' else ''}"
 
 
 class _Data:
@@ -637,11 +654,16 @@ class _Data:
 def _bench_train(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]]:
     rows = []
     estimate = plan.device.type == "cpu" and not args.no_estimate
-    for size, precision, ckpt, bs, accum in itertools.product(
-        plan.sizes, plan.precisions, plan.checkpointing, plan.batch_sizes, plan.accums
+    spaces = plan.spaces or [(plan.base.data.space, plan.base.data.wavelet_levels)]
+    for size, (space, levels), precision, ckpt, bs, accum in itertools.product(
+        plan.sizes, spaces, plan.precisions, plan.checkpointing, plan.batch_sizes, plan.accums
     ):
         cfg = bench_config(plan.base, size, data(size), precision, ckpt, bs, accum)
-        progress(f"train {size}³ {precision} checkpointing={'on' if ckpt else 'off'} batch {bs} × accum {accum}")
+        cfg = cfg.override(space=space, wavelet_levels=levels)
+        label = space_label(space, levels)
+        progress(
+            f"train {size}³ {label} {precision} checkpointing={'on' if ckpt else 'off'} batch {bs} × accum {accum}"
+        )
         if plan.isolate:
             r = run_isolated(cfg, plan.device, plan.warmup, plan.repeats, estimate, data.work)
         else:
@@ -649,7 +671,15 @@ def _bench_train(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]
             if plan.device.type == "cpu":
                 r["mem_kind"] = "process_peak_rss_shared"  # the same process ran earlier configs
         rows.append(
-            {"size": size, "precision": precision, "checkpointing": ckpt, "batch_size": bs, "accum": accum, **r}
+            {
+                "size": size,
+                "space": label,
+                "precision": precision,
+                "checkpointing": ckpt,
+                "batch_size": bs,
+                "accum": accum,
+                **r,
+            }
         )
     return rows
 
@@ -702,7 +732,7 @@ def _bench_memory_table(plan: Plan, data: _Data, args, progress) -> list[dict[st
         spec.sizes, spec.spaces, spec.precisions, plan.checkpointing
     ):
         progress(
-            f"memory table {'x'.join(map(str, size))}:{channels} {space}{levels if space == 'wavelet' else ''} "
+            f"memory table {'x'.join(map(str, size))}:{channels} {space_label(space, levels)} "
             f"{precision} checkpointing={'on' if ckpt else 'off'}"
         )
         row = table_row(plan.base, size, channels, space, levels, precision, ckpt, spec.cards)
@@ -724,7 +754,7 @@ def _bench_memory_check(plan: Plan, data: _Data, args, progress) -> list[dict[st
             C.validate(cfg)
         except C.ConfigError as e:
             raise InputError(f"--check_sizes: {e}") from None
-        label = f"{space}{levels if space == 'wavelet' else ''}"
+        label = space_label(space, levels)
         progress(f"memory check {size}³ {label} {precision} checkpointing={'on' if ckpt else 'off'}")
         start = time.perf_counter()
         estimate = estimate_step(cfg, 1, rules="cpu")
@@ -792,14 +822,18 @@ def format_tables(report: dict[str, Any]) -> str:
     if report["train"]:
         lines += [
             "",
-            "training (median of timed optimizer steps)",
-            f"{'size':>5} {'prec':>5} {'ckpt':>4} {'bs':>3} {'acc':>3} {'s/step':>8} {'vol/s':>8} "
-            f"{'peak GB':>8} {'Δrss GB':>8} {'est GB':>8} {'GFLOP/step':>11} {'TFLOP/s':>8} {'of peak':>7}",
+            "training (median of timed optimizer steps; × row 1: s/step over the first row's)",
+            f"{'size':>5} {'space':>8} {'prec':>5} {'ckpt':>4} {'bs':>3} {'acc':>3} {'s/step':>8} "
+            f"{'× row 1':>7} {'vol/s':>8} {'peak GB':>8} {'Δrss GB':>8} {'est GB':>8} {'GFLOP/step':>11} "
+            f"{'TFLOP/s':>8} {'of peak':>7}",
         ]
+        first = report["train"][0]["s_per_step"]
         for r in report["train"]:
             lines.append(
-                f"{r['size']:>5} {r['precision']:>5} {'on' if r['checkpointing'] else 'off':>4} {r['batch_size']:>3} "
-                f"{r['accum']:>3} {r['s_per_step']:>8.3f} {r['volumes_per_s']:>8.2f} {r['peak_mem_gb']:>8.3f} "
+                f"{r['size']:>5} {r.get('space', '-'):>8} {r['precision']:>5} "
+                f"{'on' if r['checkpointing'] else 'off':>4} {r['batch_size']:>3} {r['accum']:>3} "
+                f"{r['s_per_step']:>8.3f} {r['s_per_step'] / first:>7.2f} "
+                f"{r['volumes_per_s']:>8.2f} {r['peak_mem_gb']:>8.3f} "
                 f"{_fmt(r.get('rss_growth_gb'))} {_fmt(r.get('est_step_gb'))} {r['flops_per_step'] / 1e9:>11.1f} "
                 f"{r['achieved_tflops']:>8.3f} {_fmt(r.get('peak_fraction'), 7, '.1%')}"
             )

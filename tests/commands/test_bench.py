@@ -72,6 +72,19 @@ def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, caps
     assert "training" in table and "sampling" in table and "loader" in table and "extrapolated" in table
 
 
+def test_training_is_measured_in_each_space_asked_for(tmp_path, capsys):
+    """--spaces: one row per size × space, labelled; wavelet-1 runs the UNet on an eighth of the voxels."""
+    config = tiny(tmp_path).yaml()
+    out = tmp_path / "bench.json"
+    argv = ["--config", str(config), "--parts", "train", "--sizes", "16", "--spaces", "pixel,wavelet1"]
+    argv += ["--precisions", "fp32", "--checkpointing", "off", "--quick", "--isolate", "off", "--no_estimate"]
+    assert bench.main([*argv, "--device", "cpu", "--threads", "1", "--json", str(out)]) == 0
+    pixel, wavelet = json.loads(out.read_text())["train"]
+    assert (pixel["space"], wavelet["space"]) == ("pixel", "wavelet1")
+    assert wavelet["flops_per_step"] < pixel["flops_per_step"] / 2
+    assert "× row 1" in capsys.readouterr().out
+
+
 def test_memory_table_part_traces_each_configuration(tmp_path, capsys):
     """--parts memory_table: one row per grid × space × precision × checkpointing, a side the space cannot
     divide padded up (20 → 24 for wavelet-2 on the 2-level UNet: 8 | side), fewer bytes and FLOPs in wavelet space,
@@ -179,6 +192,7 @@ def test_isolated_training_measures_each_config_in_its_own_process(tmp_path):
         (["--json", "/nonexistent/folder/out.json"], "does not exist"),
         (["--parts", "memory_table", "--table_sizes", "16x16"], "--table_sizes"),
         (["--parts", "memory_table", "--table_spaces", "wavelet3"], "unknown space"),
+        (["--parts", "train", "--spaces", "pixel,wavelet3"], "--spaces: unknown space"),
     ],
 )
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, needle):
