@@ -245,6 +245,12 @@ class DiffusionConfig(Section):
         "flow time shift toward noise (null: (voxels / 32^3)^(1/3), as MONAI's RFlowScheduler: 1 at 32^3, 4 at 128^3)",
     )
     flow_time_sampling: Literal["logit_normal", "uniform"] = key("logit_normal", "training times of the flow")
+    flow_output: Literal["velocity", "x0"] = key(
+        "velocity",
+        "what the flow's network outputs: the velocity, or x0 (JiT's x-prediction: the velocity (x_t - x0) / t is "
+        "derived, the loss is the velocity's with t at least 0.05)",
+        breaks_resume=True,
+    )
     cond_drop_prob: float = key(0.0, "classifier-free guidance: fraction of samples trained with the null condition")
     guidance_scale: float = key(
         1.0, "sampling: uncond + scale * (cond - uncond); 1 = the conditional model alone (no extra cost)"
@@ -262,6 +268,8 @@ class DiffusionConfig(Section):
                 f"sampler: {self.sampler!r} does not fit prediction {self.prediction!r} "
                 f"(use {' or '.join(samplers_of(objective))})"
             )
+        if not flow and self.flow_output != "velocity":
+            raise ConfigError("flow_output: applies to prediction: flow (Gaussian diffusion has prediction: x0)")
         if flow and self.min_snr_gamma is not None:
             raise ConfigError("min_snr_gamma: applies to Gaussian diffusion (eps / v / x0), not to prediction: flow")
         if self.flow_shift is not None and self.flow_shift <= 0:

@@ -57,6 +57,7 @@ ErrorWeight = Callable[[torch.Tensor], torch.Tensor | None]  # a batch -> per-ch
 Noise = Callable[[Sequence[int]], torch.Tensor]  # size -> Gaussian noise on the sampling device
 
 FLOW_TIME_SCALE = 1000.0  # flow time t in [0, 1] reaches the UNet's sinusoidal embedding as t * 1000
+X0_MIN_T = 0.05  # flow_output x0: the velocity loss's 1 / t is taken with t at least this (JiT's clamp)
 
 
 def unit_clamp(x0: torch.Tensor) -> torch.Tensor:
@@ -414,7 +415,9 @@ def resolution_shift(image_size: Sequence[int], base: int = 32**3) -> float:
 
 
 class RectifiedFlow(_Objective):
-    """Flow matching on the straight path x_t = (1 - t) x0 + t eps; the model predicts v = eps - x0."""
+    """Flow matching on the straight path x_t = (1 - t) x0 + t eps; the model predicts v = eps - x0, or, with
+    ``output`` x0, x0 itself (x-prediction, Li & He 2025, "Back to Basics": a network narrower than the values
+    it outputs per voxel, as in wavelet space, fits the data's low-dimensional x0 better than the noisy v)."""
 
     objective = "flow"
     timesteps = int(FLOW_TIME_SCALE)  # the range of times the network sees
@@ -429,9 +432,12 @@ class RectifiedFlow(_Objective):
         cond_drop_prob: float = 0.0,
         clamp: Clamp = unit_clamp,
         error_weight: ErrorWeight = no_error_weight,
+        output: str = "velocity",
     ) -> None:
         if loss not in ("l1", "l2"):
             raise ValueError(f"unknown loss {loss!r}")
+        if output not in ("velocity", "x0"):
+            raise ValueError(f"unknown flow output {output!r}")
         if time_sampling not in ("logit_normal", "uniform"):
             raise ValueError(f"unknown time sampling {time_sampling!r}")
         if shift <= 0:
@@ -444,6 +450,7 @@ class RectifiedFlow(_Objective):
         self.error_weight = error_weight
         self.seed = seed
         self.cond_drop_prob = cond_drop_prob
+        self.output = output
         self.prediction = "flow"
 
     @classmethod
@@ -484,7 +491,17 @@ class RectifiedFlow(_Objective):
         return t * FLOW_TIME_SCALE
 
     def target(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        if self.output == "x0":
+            return x0.float()
         return noise.float() - x0.float()
+
+    def loss_weight(self, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """x-prediction's loss is the velocity's: v - v_hat = (x0_hat - x0) / t, so the x0 error is weighted
+        1 / t² (L2) or 1 / t (L1), with t at least X0_MIN_T (JiT, Li & He 2025) so that t → 0 stays finite."""
+        if self.output != "x0":
+            return None
+        inv = 1.0 / t.float().clamp(min=X0_MIN_T).to(device)
+        return inv.square() if self.loss_type == "l2" else inv
 
     # ---- sampling ---------------------------------------------------------------------------------
     def time_grid(self, steps: int) -> list[float]:
@@ -493,7 +510,11 @@ class RectifiedFlow(_Objective):
         return [float(shift_time(1 - i / steps, self.shift)) for i in range(steps + 1)]
 
     def velocity(self, out: torch.Tensor, x_t: torch.Tensor, t: float) -> torch.Tensor:
-        """The model's velocity, with its implied x0 clamped into range when clip_x0 (eps kept)."""
+        """The model's velocity, with its implied x0 clamped into range when clip_x0 (eps kept). An x0 output
+        gives v = (x_t - x0) / t: the samplers never evaluate at t = 0."""
+        if self.output == "x0":
+            x0 = self.clamp(out.float()) if self.clip_x0 else out.float()
+            return (x_t - x0) / t
         if not self.clip_x0:
             return out
         x0 = self.clamp(x_t - t * out)

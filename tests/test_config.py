@@ -137,6 +137,7 @@ def test_every_choice_key_is_typed():
         "loss",
         "sampler",
         "flow_time_sampling",
+        "flow_output",
         "lr_schedule",
         "precision",
         "space",
@@ -267,7 +268,7 @@ def test_resume_breaking_keys_come_from_the_metadata():
             "num_head_channels",
             "norm_num_groups",
         },
-        "diffusion": {"timesteps", "schedule", "prediction"},
+        "diffusion": {"timesteps", "schedule", "prediction", "flow_output"},
         "data": {
             "image_dir",
             "mask_dir",

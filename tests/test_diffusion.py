@@ -339,10 +339,10 @@ def test_sampling_under_bf16_autocast_returns_fp32():
 
 
 # ---- rectified flow ---------------------------------------------------------------------------------
-def flow_oracle(mu: float = MU, s: float = S, cond_shift: float = 0.0):
+def flow_oracle(mu: float = MU, s: float = S, cond_shift: float = 0.0, output: str = "velocity"):
     """The exact velocity E[eps - x0 | x_t] for x0 ~ N(mu (+ cond_shift where the condition is set), s²) on
     x_t = (1 - t) x0 + t eps. With ``cond_shift`` the data mean depends on the condition: zeros (the null
-    condition) give the unconditional mean, so guidance has something to act on."""
+    condition) give the unconditional mean, so guidance has something to act on. ``output`` x0: E[x0 | x_t]."""
 
     def model(x_t, t_scaled, cond):
         t = (t_scaled.double() / FLOW_TIME_SCALE).view(-1, 1, 1, 1, 1)
@@ -353,7 +353,7 @@ def flow_oracle(mu: float = MU, s: float = S, cond_shift: float = 0.0):
         var = (1 - t) ** 2 * s**2 + t**2
         x0 = m + (1 - t) * s**2 / var * (x - (1 - t) * m)
         eps = t / var * (x - (1 - t) * m)
-        return (eps - x0).float()
+        return x0.float() if output == "x0" else (eps - x0).float()
 
     return model
 
@@ -404,6 +404,49 @@ def test_flow_samplers_reach_the_data_distribution_with_the_exact_velocity(sampl
     mean, std = _stats(x)
     assert mean == pytest.approx(MU, abs=0.01)
     assert std == pytest.approx(S, rel=tol)
+
+
+@pytest.mark.parametrize("sampler,steps", [("euler", 200), ("heun", 20)])
+def test_an_x0_output_samples_the_same_flow_as_the_velocity(sampler, steps):
+    """flow_output x0: the exact posterior mean of x0 gives the exact velocity (x_t - x0) / t, so the samplers
+    reach the data distribution as with the velocity output, and the same noise ends at the same volume."""
+    by_v = RectifiedFlow(shift=1.0, clip_x0=False).sample(flow_oracle(), SHAPE, sampler=sampler, steps=steps, seed=4)
+    flow = RectifiedFlow(shift=1.0, clip_x0=False, output="x0")
+    by_x0 = flow.sample(flow_oracle(output="x0"), SHAPE, sampler=sampler, steps=steps, seed=4)
+    mean, std = _stats(by_x0)
+    assert mean == pytest.approx(MU, abs=0.01) and std == pytest.approx(S, rel=0.02)
+    torch.testing.assert_close(by_x0, by_v, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("loss", ["l2", "l1"])
+def test_an_x0_outputs_loss_is_the_velocitys_with_t_at_least_a_floor(loss):
+    """x-prediction's loss: the derived velocity (x_t - x0_hat) / t against the true one, i.e. the x0 error
+    over t; below X0_MIN_T the weight stops growing (a near-clean sample would otherwise dominate)."""
+    from diffusion3d.diffusion import X0_MIN_T
+
+    flow = RectifiedFlow(shift=1.0, loss=loss, time_sampling="uniform", output="x0")
+    x0 = torch.rand(200, 1, 4, 4, 4) * 2 - 1
+    ids = list(range(200))
+    t, noise = flow.draw(ids, x0.shape[1:])
+    assert t.min() < X0_MIN_T < t.max()  # both sides of the floor are drawn
+    guess = x0 + 0.1 * torch.randn_like(x0)
+    got = flow.loss(lambda x_t, nt, cond: guess, x0, None, ids)
+    x_t = flow.q_sample(x0, t, noise)
+    tt = t.view(-1, 1, 1, 1, 1)
+    v_err = ((x_t - guess) / tt) - (noise - x0)
+    per = v_err.square() if loss == "l2" else v_err.abs()
+    above = t >= X0_MIN_T
+    torch.testing.assert_close(got[above], per.flatten(1).mean(1)[above], rtol=1e-4, atol=0)
+    floor = (guess - x0).flatten(1) / X0_MIN_T
+    floor = floor.square() if loss == "l2" else floor.abs()
+    torch.testing.assert_close(got[~above], floor.mean(1)[~above], rtol=1e-4, atol=0)
+
+
+def test_flow_output_applies_to_the_flow_only():
+    cfg = C.Config()
+    C.validate(cfg.override(prediction="flow", sampler="heun", flow_output="x0"))
+    with pytest.raises(C.ConfigError, match="flow_output"):
+        cfg.override(prediction="x0", flow_output="x0")
 
 
 def test_heun_beats_euler_at_equal_model_evaluations():
