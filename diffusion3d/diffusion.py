@@ -465,8 +465,9 @@ class RectifiedFlow(_Objective):
             d.clip_x0,
             cfg.train.seed,
             d.cond_drop_prob,
-            space.clamp,
-            space.error_weight,
+            clamp=space.clamp,
+            error_weight=space.error_weight,
+            output=d.flow_output,
         )
 
     # ---- training ---------------------------------------------------------------------------------

@@ -443,8 +443,11 @@ def test_an_x0_outputs_loss_is_the_velocitys_with_t_at_least_a_floor(loss):
 
 
 def test_flow_output_applies_to_the_flow_only():
+    from diffusion3d.diffusion import make_diffusion
+
     cfg = C.Config()
-    C.validate(cfg.override(prediction="flow", sampler="heun", flow_output="x0"))
+    for output in ("velocity", "x0"):
+        assert make_diffusion(cfg.override(prediction="flow", sampler="heun", flow_output=output)).output == output
     with pytest.raises(C.ConfigError, match="flow_output"):
         cfg.override(prediction="x0", flow_output="x0")
 
