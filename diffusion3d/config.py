@@ -209,7 +209,11 @@ class ModelConfig(Section):
     with_condition: bool = key(
         True, "concatenate the mask's label channels to the noisy image", breaks_resume=True, cache=True
     )
-    channels: list[int] = key([32, 64, 64], "channels per UNet level", breaks_resume=True)
+    channels: list[int] = key(
+        [32, 64, 64],
+        "channels per UNet level (the first is raised to the model's input channels where narrower: wavelet space)",
+        breaks_resume=True,
+    )
     num_res_blocks: int = key(1, "residual blocks per level", breaks_resume=True)
     attention_levels: list[bool] = key([False, False, True], "self-attention (SDPA) per level", breaks_resume=True)
     num_head_channels: int = key(32, "attention head width", breaks_resume=True)

@@ -10,7 +10,7 @@ import torch
 from monai.data import MetaTensor
 
 from diffusion3d.diffusion import GaussianDiffusion
-from diffusion3d.model import Denoiser, build_model, count_parameters
+from diffusion3d.model import Denoiser, build_model, count_parameters, unet_channels
 from tests.helpers import phantom, tiny_config
 
 SIZE = 16
@@ -99,9 +99,9 @@ def test_activation_checkpointing_changes_no_output_or_gradient():
     assert len(calls) == 3, "without gradients a block runs once"
 
 
-def tiny_unet_parameters_by_hand(image_channels: int, cond_channels: int) -> int:
-    """Parameters of MONAI's DiffusionModelUNet in the tiny layout (channels 8/16, attention at level 2 only,
-    one res block per level, time embedding 4 × 8), counted layer by layer from its architecture."""
+def tiny_unet_parameters_by_hand(image_channels: int, cond_channels: int, a: int = 8) -> int:
+    """Parameters of MONAI's DiffusionModelUNet in the tiny layout (channels a/16 with a = 8, attention at level 2
+    only, one res block per level, time embedding 4 × a), counted layer by layer from its architecture."""
 
     def conv(i: int, o: int, k: int = 3) -> int:
         return i * o * k**3 + o
@@ -112,19 +112,28 @@ def tiny_unet_parameters_by_hand(image_channels: int, cond_channels: int) -> int
     def norm(c: int) -> int:
         return 2 * c
 
+    te = 4 * a  # the time embedding's width: 4 × the first level's channels
+
     def res(i: int, o: int) -> int:  # norm, conv, time projection, norm, conv, 1³ skip conv if the width changes
-        return norm(i) + conv(i, o) + linear(32, o) + norm(o) + conv(o, o) + (conv(i, o, 1) if i != o else 0)
+        return norm(i) + conv(i, o) + linear(te, o) + norm(o) + conv(o, o) + (conv(i, o, 1) if i != o else 0)
 
     def attention(c: int) -> int:  # norm, q, k, v, out
         return norm(c) + 4 * linear(c, c)
 
-    stem = conv(image_channels + cond_channels, 8) + linear(8, 32) + linear(32, 32)
-    down = res(8, 8) + conv(8, 8) + res(8, 16) + attention(16)  # level 1 downsamples; level 2 is the last
+    stem = conv(image_channels + cond_channels, a) + linear(a, te) + linear(te, te)
+    down = res(a, a) + conv(a, a) + res(a, 16) + attention(16)  # level 1 downsamples; level 2 is the last
     middle = res(16, 16) + attention(16) + res(16, 16)
-    # up: each res block takes the skip of one down output (16, then 8 at level 2; 8, 8 at level 1)
-    up = res(16 + 16, 16) + res(16 + 8, 16) + 2 * attention(16) + conv(16, 16) + res(16 + 8, 8) + res(8 + 8, 8)
-    head = norm(8) + conv(8, image_channels)
+    # up: each res block takes the skip of one down output (16, then a at level 2; a, a at level 1)
+    up = res(16 + 16, 16) + res(16 + a, 16) + 2 * attention(16) + conv(16, 16) + res(16 + a, a) + res(a + a, a)
+    head = norm(a) + conv(a, image_channels)
     return stem + down + middle + up + head
+
+
+def test_the_first_level_is_raised_to_the_input_channels_only_where_narrower():
+    assert unet_channels([16, 32, 64], 3, 8) == [16, 32, 64]  # pixel space: 1 image + 2 label channels
+    assert unet_channels([16, 32, 64], 8 + 16, 8) == [24, 32, 64]  # wavelet-1: 8 subbands + 2 labels × 8
+    assert unet_channels([16, 32, 64], 25, 8) == [32, 32, 64]  # rounded up to the GroupNorm groups
+    assert unet_channels([64, 64, 128], 64, 32) == [64, 64, 128]  # brats_192 in wavelet-1: already as wide
 
 
 def test_count_parameters_counts_each_tensor_once():
@@ -148,12 +157,14 @@ def test_build_model_from_config(tmp_path):
 @pytest.mark.parametrize("levels", [1, 2])
 def test_wavelet_space_model_takes_the_subbands_as_channels(tmp_path, levels):
     """In wavelet space the UNet reads and predicts 8^levels subbands per image channel (2 channels here),
-    takes the condition's subbands (8^levels per label), and runs on the grid shrunk by 2^levels."""
+    takes the condition's subbands (8^levels per label), and runs on the grid shrunk by 2^levels. Its first
+    level (8 channels in the tiny layout) is widened to the 4 × 8^levels channels each voxel brings in."""
     cfg = tiny_config(tmp_path, space="wavelet", wavelet_levels=levels, image_channels=2, size=32)
     model = build_model(cfg)
     bands = 8**levels
     assert (model.image_channels, model.cond_channels) == (2 * bands, 2 * bands)
-    assert count_parameters(model) == tiny_unet_parameters_by_hand(2 * bands, 2 * bands)
+    assert model.unet.conv_in.conv.out_channels == 4 * bands
+    assert count_parameters(model) == tiny_unet_parameters_by_hand(2 * bands, 2 * bands, a=4 * bands)
     side = 32 // 2**levels
     x_t = torch.randn(1, 2 * bands, side, side, side)
     assert model(x_t, torch.tensor([3]), torch.ones(1, 2 * bands, side, side, side)).shape == x_t.shape
