@@ -87,8 +87,9 @@ def test_training_is_measured_in_each_space_asked_for(tmp_path, capsys):
 
 def test_memory_table_part_traces_each_configuration(tmp_path, capsys):
     """--parts memory_table: one row per grid × space × precision × checkpointing, a side the space cannot
-    divide padded up (20 → 24 for wavelet-2 on the 2-level UNet: 8 | side), fewer bytes and FLOPs in wavelet space,
-    checkpointing saving memory, the largest batch growing with the card."""
+    divide padded up (20 → 24 for wavelet-2 on the 2-level UNet: 8 | side), fewer bytes per sample and FLOPs in
+    wavelet-1, wavelet-2's weights grown by its first level raised to 256 input channels, checkpointing saving
+    memory, the largest batch growing with the card."""
     config = tiny(tmp_path).yaml()
     out = tmp_path / "table.json"
     code = bench.main(
@@ -100,7 +101,7 @@ def test_memory_table_part_traces_each_configuration(tmp_path, capsys):
             "--table_sizes",
             "16x16x20:2",
             "--table_spaces",
-            "pixel,wavelet2",
+            "pixel,wavelet1,wavelet2",
             "--table_precisions",
             "bf16",
             "--checkpointing",
@@ -118,13 +119,17 @@ def test_memory_table_part_traces_each_configuration(tmp_path, capsys):
     assert [(r["space"], r["checkpointing"], r["image_size"]) for r in rows] == [
         ("pixel", False, [16, 16, 20]),
         ("pixel", True, [16, 16, 20]),
+        ("wavelet-1", False, [16, 16, 20]),
+        ("wavelet-1", True, [16, 16, 20]),
         ("wavelet-2", False, [16, 16, 24]),
         ("wavelet-2", True, [16, 16, 24]),
     ]
     assert all(r["image_channels"] == 2 and r["precision"] == "bf16" for r in rows)
-    pixel, pixel_ckpt, wavelet, _ = rows
-    assert pixel_ckpt["total_gb"] < pixel["total_gb"] and wavelet["total_gb"] < pixel["total_gb"]
+    pixel, pixel_ckpt, wavelet, _, wavelet2, _ = rows
+    assert pixel_ckpt["total_gb"] < pixel["total_gb"]
+    assert wavelet["per_sample_gb"] < pixel["per_sample_gb"]
     assert wavelet["tflops_per_sample"] < pixel["tflops_per_sample"]
+    assert wavelet2["total_gb"] > 10 * pixel["total_gb"]  # 256-channel first level: its weights dominate
     assert all(0 < r["largest_batch"]["1"] <= r["largest_batch"]["2"] for r in rows)
     assert "| 16×16×20 | 2 | pixel | bf16 | off |" in capsys.readouterr().out
 
