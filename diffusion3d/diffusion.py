@@ -304,6 +304,7 @@ class GaussianDiffusion(_Objective):
     @classmethod
     def from_config(cls, cfg: Config) -> GaussianDiffusion:
         d = cfg.diffusion
+        space = make_space(cfg)
         return cls(
             d.timesteps,
             d.schedule,
@@ -313,8 +314,8 @@ class GaussianDiffusion(_Objective):
             d.clip_x0,
             cfg.train.seed,
             d.cond_drop_prob,
-            make_space(cfg).clamp,
-            make_space(cfg).error_weight,
+            clamp=space.clamp,
+            error_weight=space.error_weight,
         )
 
     # ---- noising and conversions (all fp32) -------------------------------------------------------
