@@ -160,6 +160,12 @@ class DataConfig(Section):
     wavelet_levels: int = key(
         1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)", at_least=1, breaks_resume=True
     )
+    flip_axes: list[int] = key(
+        [],
+        "augmentation: each listed axis of the model grid (0, 1, 2; after orientation) mirrors image and mask "
+        "together with probability 1/2 per sample, drawn from (seed, sample id)",
+        breaks_resume=True,
+    )
     output_intensity: Literal["unit", "model", "source"] = key(
         "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)"
     )
@@ -196,6 +202,8 @@ class DataConfig(Section):
             raise ConfigError(f"intensity_range: expected [low, high] with low < high, got {low_high}")
         if not 0 <= self.lower_percentile < self.upper_percentile <= 100:
             raise ConfigError("lower_percentile/upper_percentile: need 0 <= lower < upper <= 100")
+        if len(set(self.flip_axes)) != len(self.flip_axes) or any(a not in (0, 1, 2) for a in self.flip_axes):
+            raise ConfigError(f"flip_axes: distinct spatial axes from 0, 1, 2, got {self.flip_axes}")
         if self.wavelet_levels not in (1, 2):
             raise ConfigError(f"wavelet_levels: must be 1 or 2, got {self.wavelet_levels}")
         if self.output_intensity == "source" and self.intensity != "range":

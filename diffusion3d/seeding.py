@@ -17,6 +17,7 @@ SALT_NOISE = 1
 SALT_PERMUTATION = 2
 SALT_SAMPLING = 3
 SALT_COND_DROP = 4
+SALT_FLIP = 5
 
 
 def derive_seed(*parts: int) -> int:

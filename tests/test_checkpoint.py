@@ -38,9 +38,14 @@ def assert_same_weights(a: dict, b: dict) -> None:
 WAVELET_1, WAVELET_2 = {"space": "wavelet", "wavelet_levels": 1}, {"space": "wavelet", "wavelet_levels": 2}
 
 
-@pytest.mark.parametrize("space", [{}, WAVELET_1, WAVELET_2], ids=["pixel", "wavelet1", "wavelet2"])
+@pytest.mark.parametrize(
+    "space",
+    [{}, WAVELET_1, WAVELET_2, {"flip_axes": [0, 1, 2]}],
+    ids=["pixel", "wavelet1", "wavelet2", "pixel_flips"],
+)
 def test_exact_resume_in_process(tmp_path, space):
-    """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32), in every space."""
+    """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32), in every space
+    and with flip augmentation (each sample's flips are drawn from (seed, sample id))."""
     cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=2, train_num_steps=4, **space)
     cases = discover(cfg)
     straight = build_trainer(cfg, cases, "cpu", None)

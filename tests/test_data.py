@@ -16,6 +16,7 @@ import torch
 from monai.data import MetaTensor
 from monai.transforms import LoadImaged
 
+from diffusion3d import config as C
 from diffusion3d import data as D
 from diffusion3d.data.discovery import _image_columns
 from tests.helpers import ROOT, SHARED_DATA, phantom, subprocess_env, tiny, write_nifti
@@ -481,6 +482,42 @@ def test_stream_epochs_are_permutations():
     assert [D.SampleStream(7, 0, s).epoch for s in (0, 6, 7, 20, 21)] == [0, 0, 1, 2, 3]
     assert stream.micro_batch_ids(1, 2) == [2, 3]
     assert D.SampleStream(7, 0, samples_seen=10).micro_batch_ids(1, 2, rank=1, world_size=2) == [16, 17]
+
+
+def test_flips_are_drawn_per_sample_and_mirror_image_and_mask_together(tmp_path):
+    """data.flip_axes: sample k is mirrored along a seeded choice of the listed axes, the same whatever the
+    batch split or resume point, with its mask; axes not listed are never flipped."""
+    from diffusion3d.data.stream import flipped_axes
+
+    dataset, cfg = _stream_dataset(tmp_path)
+    cfg.data.flip_axes = [0, 2]
+    reference = D.SampleStream(5, seed=3)
+    seen: dict[int, list[int]] = {}
+    for batch_size, start in ((2, 0), (1, 0), (3, 6)):
+        loader = iter(D.make_loader(dataset, D.SampleStream(5, seed=3, samples_seen=start), batch_size, cfg, False))
+        for _ in range(12 // batch_size):
+            batch = next(loader)
+            for j, k in enumerate(int(i) for i in batch["sample_id"]):
+                axes = flipped_axes(3, k, [0, 2])
+                assert seen.setdefault(k, axes) == axes  # the same draw in every split
+                item = D.plain(dataset[reference.index(k)])
+                dims = [a + 1 for a in axes]
+                torch.testing.assert_close(batch["image"][j], torch.flip(item["image"], dims), atol=0, rtol=0)
+                torch.testing.assert_close(batch["mask"][j], torch.flip(item["mask"], dims), atol=0, rtol=0)
+    drawn = [flipped_axes(3, k, [0, 2]) for k in range(400)]
+    assert all(1 not in axes for axes in drawn)
+    for axis in (0, 2):
+        assert 0.4 < np.mean([axis in axes for axes in drawn]) < 0.6
+    assert flipped_axes(3, 5, []) == []
+    # adding an axis leaves the draws of the others unchanged
+    assert [a for a in flipped_axes(3, 7, [0, 1, 2]) if a != 1] == flipped_axes(3, 7, [0, 2])
+
+
+@pytest.mark.parametrize("axes", [[3], [0, 0], [-1]])
+def test_flip_axes_must_be_distinct_spatial_axes(tmp_path, axes):
+    cfg = tiny(tmp_path, data=False).cfg
+    with pytest.raises(C.ConfigError, match="flip_axes"):
+        cfg.override(flip_axes=axes)
 
 
 # ---- geometry: a sample goes back onto the mask's own grid ------------------------------------------

@@ -72,6 +72,22 @@ def test_accumulation_invariance_end_to_end(tmp_path, splits):
         assert (ema - base_ema).abs().max() <= 1e-5 * scale
 
 
+def test_flips_reach_training_and_keep_the_split_invariance(tmp_path):
+    """data.flip_axes changes what is trained on, and 2 × 1 and 1 × 2 still take the same steps."""
+    runs = {}
+    for name, bs, accum, axes in (("plain", 2, 1, []), ("2x1", 2, 1, [0, 1, 2]), ("1x2", 1, 2, [0, 1, 2])):
+        cfg = tiny_config(
+            tmp_path / name, batch_size=bs, gradient_accumulate_every=accum, max_grad_norm=1e9, flip_axes=axes
+        )
+        trainer = trainer_for(cfg)
+        for _ in range(3):
+            trainer.train_step()
+        runs[name] = flat_weights(trainer.model)
+    scale = runs["2x1"].abs().max()
+    assert (runs["2x1"] - runs["1x2"]).abs().max() <= 1e-5 * scale
+    assert (runs["2x1"] - runs["plain"]).abs().max() > 1e-3 * scale
+
+
 @pytest.mark.parametrize("levels", [1, 2])
 def test_accumulation_invariance_in_wavelet_space(tmp_path, levels):
     """Every split of the effective batch accumulates the same gradient and loss when the diffusion runs on

@@ -8,7 +8,8 @@ Two sets, each written afresh with its own seeds (the test masks are never train
   sample_3), deformed at 128³ and brought to the model grid by 4× area averaging (masks by majority vote).
   Skipped with a message where that data is absent.
 
-At every ``eval_every`` optimizer steps (and at the end) the EMA model samples every test mask
+At every ``eval_every`` optimizer steps (and at the end) the EMA model (``--weights``: and/or the raw, un-averaged
+weights, one training run for both) samples every test mask
 ``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance]``) and the samples are
 scored against the truth by ``diffusion3d.evaluation.metrics`` (per-label mean error, Otsu Dice of head and lesion,
 contrast ratio, SSIM, PSNR, sharpness ratio, diversity). The phantom set also draws each test mask a second
@@ -363,8 +364,10 @@ def train_and_score(
     device: torch.device,
     progress: Callable[[str], None] = lambda s: None,
     save_dir: Path | None = None,
+    weights: Sequence[str] = ("ema",),
 ) -> list[dict[str, Any]]:
-    """Train ``steps`` optimizer steps of ``cfg``; at each step in ``eval_at`` score every sampling spec."""
+    """Train ``steps`` optimizer steps of ``cfg``; at each step in ``eval_at`` score every sampling spec with
+    each of ``weights`` (``ema``: the averaged copy the trainer samples with; ``raw``: the trained weights)."""
     cfg.train.train_num_steps = steps
     train_cases = discover(cfg)
     dataset = build_dataset(train_cases, cfg, None)
@@ -379,21 +382,26 @@ def train_and_score(
         cpu += time.process_time() - c0
         losses.append(result.loss)
         if step in eval_at:
-            for spec in specs:
-                where = save_dir / f"step_{step:06d}" / spec.label if save_dir is not None else None
-                scores = evaluate_model(
-                    trainer.ema.module, cfg, cases, spec, samples_per_mask, device, cfg.train.seed, save_dir=where
-                )
-                row = {
-                    "step": step,
-                    "train_s": wall,
-                    "train_cpu_s": cpu,
-                    "loss": float(np.mean(losses[-50:])),
-                    "sampling": spec.label,
-                    **scores,
-                }
-                rows.append(row)
-                progress(format_row(row))
+            for which in weights:
+                model = trainer.ema.module if which == "ema" else trainer.model
+                for spec in specs:
+                    label = spec.label if which == "ema" else f"{spec.label} raw"
+                    where = save_dir / f"step_{step:06d}" / label.replace(" ", "_") if save_dir is not None else None
+                    scores = evaluate_model(
+                        model, cfg, cases, spec, samples_per_mask, device, cfg.train.seed, save_dir=where
+                    )
+                    row = {
+                        "step": step,
+                        "train_s": wall,
+                        "train_cpu_s": cpu,
+                        "loss": float(np.mean(losses[-50:])),
+                        "sampling": label,
+                        "weights": which,
+                        **scores,
+                    }
+                    rows.append(row)
+                    progress(format_row(row))
+                trainer.model.train()  # sampling put it in eval mode; training goes on
     return rows
 
 
@@ -462,6 +470,11 @@ def build_parser(prog: str = "python -m diffusion3d quality") -> argparse.Argume
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's train_num_steps)")
     p.add_argument("--eval_every", type=int, default=250, help="score every N steps and at the end")
     p.add_argument("--sampling", default=None, help="sampler:steps[:guidance],... (default: the config's)")
+    p.add_argument(
+        "--weights",
+        default="ema",
+        help="ema, raw or ema,raw: sample with the EMA weights, the raw trained weights or both (label 'raw')",
+    )
     p.add_argument("--n_train", type=int, default=24, help="training pairs per set")
     p.add_argument("--n_test", type=int, default=6, help="unseen test masks per set")
     p.add_argument("--samples_per_mask", type=int, default=2, help="samples of each test mask (2+: diversity)")
@@ -491,6 +504,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
     for s in sets:
         if s not in SETS:
             raise QualityError(f"--sets: unknown set {s!r} (choose from {', '.join(SETS)})")
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    if not weights or any(w not in ("ema", "raw") for w in weights) or len(set(weights)) != len(weights):
+        raise QualityError(f"--weights: expected ema, raw or ema,raw, got {args.weights!r}")
     for flag in ("eval_every", "n_train", "n_test", "samples_per_mask"):
         if getattr(args, flag) < 1:
             raise QualityError(f"--{flag}: must be at least 1")
@@ -542,6 +558,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                 device,
                 progress=lambda line, k=kind: progress(f"{name} | {k} | {line}"),
                 save_dir=args.save_samples / kind if args.save_samples else None,
+                weights=weights,
             )
             report["rows"] += [{"run": name, "set": kind, **r} for r in rows]
     return report

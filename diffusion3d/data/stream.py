@@ -1,19 +1,21 @@
 """The deterministic endless stream and its loader.
 
-The k-th sample of a run (which case it is) depends only on ``(seed, k)``: one seeded permutation of the
-training cases per epoch. Micro-batches are cut from that sequence, so batch_size × accum × world_size is
-a free split of the same samples, and the stream position (``samples_seen``) is all a resume needs.
+The k-th sample of a run (which case it is, and which axes it is mirrored along with ``data.flip_axes``)
+depends only on ``(seed, k)``: one seeded permutation of the training cases per epoch, one seeded draw per
+sample. Micro-batches are cut from that sequence, so batch_size × accum × world_size is a free split of the
+same samples, and the stream position (``samples_seen``) is all a resume needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import Config
-from ..seeding import SALT_PERMUTATION, derive_seed
+from ..seeding import SALT_FLIP, SALT_PERMUTATION, derive_seed
 from .transforms import plain
 
 
@@ -47,15 +49,33 @@ class SampleStream:
         return list(range(start, start + batch_size))
 
 
+def flipped_axes(seed: int, k: int, axes: Sequence[int]) -> list[int]:
+    """The spatial axes sample ``k`` is mirrored along: each of ``axes`` with probability 1/2, from (seed, k).
+    One draw per axis 0, 1, 2 whatever ``axes`` holds, so adding an axis leaves the others' draws alone."""
+    if not axes:
+        return []
+    draws = np.random.default_rng(derive_seed(seed, SALT_FLIP, k)).random(3)
+    return [a for a in range(3) if a in axes and draws[a] < 0.5]
+
+
+def flip_item(item: dict[str, Any], axes: Sequence[int]) -> dict[str, Any]:
+    """Image and mask ([C, D, H, W]) mirrored together along the spatial ``axes``."""
+    if not axes:
+        return item
+    dims = [a + 1 for a in axes]
+    return {k: torch.flip(v, dims) if k in ("image", "mask") else v for k, v in item.items()}
+
+
 class _StreamView(torch.utils.data.Dataset):
-    def __init__(self, dataset, stream: SampleStream) -> None:
-        self.dataset, self.stream = dataset, stream
+    def __init__(self, dataset, stream: SampleStream, flip_axes: Sequence[int] = ()) -> None:
+        self.dataset, self.stream, self.flip_axes = dataset, stream, list(flip_axes)
 
     def __len__(self) -> int:
         return 2**62
 
     def __getitem__(self, k: int) -> dict[str, Any]:
         item = plain(self.dataset[self.stream.index(k)])
+        item = flip_item(item, flipped_axes(self.stream.seed, k, self.flip_axes))
         item["sample_id"] = k
         return item
 
@@ -77,7 +97,7 @@ def make_loader(
     dataset, stream: SampleStream, batch_size: int, cfg: Config, pin_memory: bool, rank: int = 0, world_size: int = 1
 ):
     """An endless loader of micro-batches starting at ``stream.samples_seen``; the caller advances the stream."""
-    view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed))
+    view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed), cfg.data.flip_axes)
     workers = cfg.data.num_workers
     return torch.utils.data.DataLoader(
         view,
