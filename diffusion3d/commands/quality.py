@@ -8,8 +8,8 @@ Two sets, each written afresh with its own seeds (the test masks are never train
   sample_3), deformed at 128³ and brought to the model grid by 4× area averaging (masks by majority vote).
   Skipped with a message where that data is absent.
 
-At every ``eval_every`` optimizer steps (and at the end) the EMA model (``--weights``: and/or the raw, un-averaged
-weights, one training run for both) samples every test mask
+At every ``eval_every`` optimizer steps (and at the end) the EMA model (``--weights``: and/or the trained weights
+themselves, ``model`` as in ``sample --weights``; one training run for both) samples every test mask
 ``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance]``) and the samples are
 scored against the truth by ``diffusion3d.evaluation.metrics`` (per-label mean error, Otsu Dice of head and lesion,
 contrast ratio, SSIM, PSNR, sharpness ratio, diversity). The phantom set also draws each test mask a second
@@ -367,7 +367,7 @@ def train_and_score(
     weights: Sequence[str] = ("ema",),
 ) -> list[dict[str, Any]]:
     """Train ``steps`` optimizer steps of ``cfg``; at each step in ``eval_at`` score every sampling spec with
-    each of ``weights`` (``ema``: the averaged copy the trainer samples with; ``raw``: the trained weights)."""
+    each of ``weights`` (``ema``: the averaged copy the trainer samples with; ``model``: the trained weights)."""
     cfg.train.train_num_steps = steps
     train_cases = discover(cfg)
     dataset = build_dataset(train_cases, cfg, None)
@@ -385,7 +385,7 @@ def train_and_score(
             for which in weights:
                 model = trainer.ema.module if which == "ema" else trainer.model
                 for spec in specs:
-                    label = spec.label if which == "ema" else f"{spec.label} raw"
+                    label = spec.label if which == "ema" else f"{spec.label} no-EMA"
                     where = save_dir / f"step_{step:06d}" / label.replace(" ", "_") if save_dir is not None else None
                     scores = evaluate_model(
                         model, cfg, cases, spec, samples_per_mask, device, cfg.train.seed, save_dir=where
@@ -473,7 +473,7 @@ def build_parser(prog: str = "python -m diffusion3d quality") -> argparse.Argume
     p.add_argument(
         "--weights",
         default="ema",
-        help="ema, raw or ema,raw: sample with the EMA weights, the raw trained weights or both (label 'raw')",
+        help="ema, model or ema,model: sample with the EMA weights, the trained weights (rows 'no-EMA') or both",
     )
     p.add_argument("--n_train", type=int, default=24, help="training pairs per set")
     p.add_argument("--n_test", type=int, default=6, help="unseen test masks per set")
@@ -505,8 +505,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
         if s not in SETS:
             raise QualityError(f"--sets: unknown set {s!r} (choose from {', '.join(SETS)})")
     weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-    if not weights or any(w not in ("ema", "raw") for w in weights) or len(set(weights)) != len(weights):
-        raise QualityError(f"--weights: expected ema, raw or ema,raw, got {args.weights!r}")
+    if not weights or any(w not in ("ema", "model") for w in weights) or len(set(weights)) != len(weights):
+        raise QualityError(f"--weights: expected ema, model or ema,model, got {args.weights!r}")
     for flag in ("eval_every", "n_train", "n_test", "samples_per_mask"):
         if getattr(args, flag) < 1:
             raise QualityError(f"--{flag}: must be at least 1")

@@ -176,11 +176,11 @@ def test_command_trains_scores_and_writes_json(tmp_path, capsys):
     assert capsys.readouterr().out.count("ddim-2") == 2
 
 
-def test_raw_weights_are_scored_beside_the_ema_from_one_run(tmp_path):
-    """--weights ema,raw: each scoring samples the EMA and the raw weights; they differ, and training after
-    the raw model sampled is the same as training with the EMA alone."""
+def test_trained_weights_are_scored_beside_the_ema_from_one_run(tmp_path):
+    """--weights ema,model: each scoring samples the EMA and the trained weights; they differ, and training
+    after the trained model sampled is the same as training with the EMA alone."""
     reports = []
-    for i, weights in enumerate(("ema", "ema,raw")):
+    for i, weights in enumerate(("ema", "ema,model")):
         out = tmp_path / f"q{i}.json"
         argv = ["--config", str(tiny_yaml(tmp_path)), "--sets", "phantom", "--size", "16", "--steps", "4"]
         argv += ["--eval_every", "2", "--n_train", "4", "--n_test", "2", "--sampling", "ddim:2"]
@@ -190,9 +190,9 @@ def test_raw_weights_are_scored_beside_the_ema_from_one_run(tmp_path):
     ema_only, both = reports
     assert [(r["step"], r["sampling"], r["weights"]) for r in both] == [
         (2, "ddim-2", "ema"),
-        (2, "ddim-2 raw", "raw"),
+        (2, "ddim-2 no-EMA", "model"),
         (4, "ddim-2", "ema"),
-        (4, "ddim-2 raw", "raw"),
+        (4, "ddim-2 no-EMA", "model"),
     ]
     assert both[2]["ssim"] != both[3]["ssim"]
     for a, b in zip(ema_only, [r for r in both if r["weights"] == "ema"]):
@@ -225,7 +225,7 @@ def test_realistic_set_is_skipped_with_a_message_without_the_real_pair(tmp_path,
         (["--set", "lr"], "--set: expected key=value"),
         (["--set", "colour=red"], "unknown config key 'colour'"),
         (["--sampling", "euler:10"], "--sampling: euler does not fit prediction eps"),
-        (["--weights", "best"], "--weights: expected ema, raw or ema,raw"),
+        (["--weights", "best"], "--weights: expected ema, model or ema,model"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
