@@ -164,7 +164,6 @@ class DataConfig(Section):
         [],
         "augmentation: each listed axis of the model grid (0, 1, 2; after orientation) mirrors image and mask "
         "together with probability 1/2 per sample, drawn from (seed, sample id)",
-        breaks_resume=True,
     )
     output_intensity: Literal["unit", "model", "source"] = key(
         "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)"
