@@ -160,6 +160,12 @@ class DataConfig(Section):
     wavelet_levels: int = key(
         1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)", at_least=1, breaks_resume=True
     )
+    wavelet_cond: Literal["haar", "pool"] = key(
+        "haar",
+        "for space: wavelet, the mask on the subband grid: the one-hot's Haar subbands (8^levels channels per "
+        "label) or its block-pooled label fractions (one channel per label)",
+        breaks_resume=True,
+    )
     flip_axes: list[int] = key(
         [],
         "augmentation: each listed axis of the model grid (0, 1, 2; after orientation) mirrors image and mask "

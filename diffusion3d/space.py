@@ -200,5 +200,5 @@ class WaveletSpace:
 def make_space(cfg) -> PixelSpace | WaveletSpace:
     """The space of a config (``data.space``, ``data.wavelet_levels``)."""
     if cfg.data.space == "wavelet":
-        return WaveletSpace(cfg.data.wavelet_levels, DEFAULT_COND)
+        return WaveletSpace(cfg.data.wavelet_levels, cfg.data.wavelet_cond)
     return PixelSpace()

@@ -141,6 +141,7 @@ def test_every_choice_key_is_typed():
         "lr_schedule",
         "precision",
         "space",
+        "wavelet_cond",
     }
 
 
@@ -287,6 +288,7 @@ def test_resume_breaking_keys_come_from_the_metadata():
             "num_val_cases",
             "space",
             "wavelet_levels",
+            "wavelet_cond",
         },
         "train": {"seed"},
     }

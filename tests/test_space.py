@@ -3,6 +3,8 @@ grid, shapes, the config keys; a sampler's oracle in wavelet space."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,8 @@ import torch.nn.functional as F
 from diffusion3d import config as C
 from diffusion3d import space as S
 from diffusion3d.diffusion import FLOW_TIME_SCALE, RectifiedFlow
-from tests.helpers import configure
+from diffusion3d.model import build_model, unet_channels
+from tests.helpers import configure, tiny_config
 
 
 def volumes(shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
@@ -123,6 +126,26 @@ def test_config_keys_choose_the_space_and_check_divisibility():
     for bad in (0, 3):
         with pytest.raises(C.ConfigError, match="wavelet_levels"):
             configure(C.Config(), wavelet_levels=bad)
+
+
+def test_wavelet_cond_key_chooses_the_condition_and_the_model_follows(tmp_path):
+    """data.wavelet_cond reaches the space and the model: the pooled fractions are one channel per label,
+    so the UNet's first level widens only to 8 subbands + 2 labels (10, rounded up to 4 groups: 12), where
+    the subbands' 8 + 16 channels take it to 24."""
+    cfg = tiny_config(tmp_path, space="wavelet", size=16)
+    assert S.make_space(cfg).cond_kind == "haar" and cfg.data.wavelet_cond == "haar"
+    pooled = configure(cfg, wavelet_cond="pool")
+    space = S.make_space(pooled)
+    assert space.cond_kind == "pool" and space.cond_channels(2) == 2
+    model = build_model(pooled)
+    assert model.cond_channels == 2 and model.unet.conv_in.conv.in_channels == 8 + 2
+    m = pooled.model
+    assert model.unet.conv_in.conv.out_channels == unet_channels(m.channels, 8 + 2, m.norm_num_groups)[0] == 12
+    assert build_model(cfg).unet.conv_in.conv.out_channels == 24  # haar: 8 subbands + 2 labels × 8 in
+    with pytest.raises(C.ConfigError, match="wavelet_cond"):
+        configure(cfg, wavelet_cond="learned")
+    hint = typing.get_type_hints(C.DataConfig)["wavelet_cond"]
+    assert set(typing.get_args(hint)) == set(S.COND_KINDS) and C.DataConfig().wavelet_cond == S.DEFAULT_COND
 
 
 # ---- a sampler's oracle in subband space --------------------------------------------------------------
