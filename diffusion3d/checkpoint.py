@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import keys_where
+from .config import Config, keys_where
 from .storage import atomic_write, check_free_space, storage_error
 
 log = logging.getLogger(__name__)
@@ -204,10 +204,15 @@ def apply_retention(folder: Path, keep_last: int, milestone_every: int, protect:
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(breaking, harmless) differences between two config dicts, each as 'section.key: old -> new'."""
+    """(breaking, harmless) differences between two config dicts, each as 'section.key: old -> new'. A key
+    the saved config lacks (a checkpoint written before the key existed) counts as its built-in default: a
+    new key's default is the behaviour before it, so such a checkpoint still resumes."""
     breaking, harmless = [], []
+    defaults = Config().to_dict()
     for section in sorted(set(saved) | set(current)):
         old, new = saved.get(section), current.get(section)
+        if isinstance(old, dict) and isinstance(defaults.get(section), dict):
+            old = {**defaults[section], **old}
         if not isinstance(old, dict) or not isinstance(new, dict):
             if old != new and section != "name":
                 harmless.append(f"{section}: {old!r} -> {new!r}")

@@ -16,7 +16,7 @@ The space is the one place that knows it: ``Trainer`` encodes each micro-batch's
 ``Diffusion.loss``, and ``sampling.generate`` samples in ``latent_shape`` and decodes before the volume goes
 back to its mask's grid; noise, loss, guidance and the samplers see plain tensors and are unchanged.
 
-The mask condition on the subband grid (``cond``), two ways:
+The mask condition on the subband grid (``cond``), two ways (``data.wavelet_cond``):
 
 - ``haar`` (the default): the {-1, 1} one-hot's own Haar subbands, encoded like the image: 8^levels
   channels per label, which keep where inside each block a boundary runs (the mask is recoverable exactly).
@@ -198,7 +198,7 @@ class WaveletSpace:
 
 
 def make_space(cfg) -> PixelSpace | WaveletSpace:
-    """The space of a config (``data.space``, ``data.wavelet_levels``)."""
+    """The space of a config (``data.space``, ``data.wavelet_levels``, ``data.wavelet_cond``)."""
     if cfg.data.space == "wavelet":
         return WaveletSpace(cfg.data.wavelet_levels, cfg.data.wavelet_cond)
     return PixelSpace()

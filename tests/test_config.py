@@ -292,6 +292,13 @@ def test_resume_breaking_keys_come_from_the_metadata():
         },
         "train": {"seed"},
     }
+    # a checkpoint written before a key existed lacks it: it ran with the key's default, and still resumes
+    older = C.Config().to_dict()
+    del older["data"]["wavelet_cond"]
+    assert checkpoint.config_differences(older, C.Config().to_dict()) == ([], [])
+    pooled = C.Config().to_dict()
+    pooled["data"]["wavelet_cond"] = "pool"
+    assert checkpoint.config_differences(older, pooled)[0] == ["data.wavelet_cond: 'haar' -> 'pool'"]
     saved, current = C.Config().to_dict(), C.Config().to_dict()
     current["model"]["channels"], current["train"]["lr"] = [8, 16], 0.5
     assert checkpoint.config_differences(saved, current) == (

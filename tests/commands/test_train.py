@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from diffusion3d import checkpoint as ckpt
@@ -278,3 +279,21 @@ def test_commands_share_one_input_error():
     for module in (cli, sample, evaluate, bench, quality):
         assert module.InputError is _cli.InputError, module.__name__
     assert quality.QualityError is _cli.InputError
+
+
+def test_a_checkpoint_older_than_a_key_still_resumes(tmp_path, caplog):
+    """A checkpoint written before a resume-breaking key existed (its config lacks data.wavelet_cond) ran
+    with that key's default: the run resumes from it, rather than stopping on 'None -> haar'."""
+    caplog.set_level(logging.INFO, logger="diffusion3d")
+    flags = tiny(tmp_path, train_num_steps=2).flags
+    with pytest.raises(SystemExit) as exc:
+        cli.main(flags)
+    assert exc.value.code == 0
+    path = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    del state["config"]["data"]["wavelet_cond"]
+    torch.save(state, path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*flags, "--train_num_steps", "3"])
+    assert exc.value.code == 0, caplog.text
+    assert f"resumed from {path} at step 2" in caplog.text
