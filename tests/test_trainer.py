@@ -88,8 +88,8 @@ def test_flips_reach_training_and_keep_the_split_invariance(tmp_path):
     assert (runs["2x1"] - runs["plain"]).abs().max() > 1e-3 * scale
 
 
-@pytest.mark.parametrize("levels", [1, 2])
-def test_accumulation_invariance_in_wavelet_space(tmp_path, levels):
+@pytest.mark.parametrize("levels, cond", [(1, "haar"), (2, "haar"), (1, "pool")])
+def test_accumulation_invariance_in_wavelet_space(tmp_path, levels, cond):
     """Every split of the effective batch accumulates the same gradient and loss when the diffusion runs on
     Haar subbands (the trainer encodes per micro-batch; encoding is per sample). Compared step by step with
     the weights kept equal: Adam turns float-rounding differences of near-zero gradient entries into
@@ -104,6 +104,7 @@ def test_accumulation_invariance_in_wavelet_space(tmp_path, levels):
             max_grad_norm=1e9,
             space="wavelet",
             wavelet_levels=levels,
+            wavelet_cond=cond,
         )
         trainer = trainer_for(cfg)
         assert trainer.model.image_channels == 8**levels
