@@ -681,6 +681,8 @@ def _bench_train(plan: Plan, data: _Data, args, progress) -> list[dict[str, Any]
                 **r,
             }
         )
+        # each row as it is measured: a run killed later (a shared GPU's time limit) keeps what it printed
+        progress(f"  {r['s_per_step']:.3f} s/step, peak {r['peak_mem_gb']:.2f} GiB ({r['mem_kind']})")
     return rows
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -82,7 +83,10 @@ def test_training_is_measured_in_each_space_asked_for(tmp_path, capsys):
     pixel, wavelet = json.loads(out.read_text())["train"]
     assert (pixel["space"], wavelet["space"]) == ("pixel", "wavelet1")
     assert wavelet["flops_per_step"] < pixel["flops_per_step"] / 2
-    assert "× row 1" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "× row 1" in printed.out
+    # each row's result is on stderr as soon as it is measured, before the table at the end
+    assert len(re.findall(r"\d+\.\d{3} s/step, peak \d+\.\d\d GiB", printed.err)) == 2
 
 
 def test_memory_table_part_traces_each_configuration(tmp_path, capsys):
