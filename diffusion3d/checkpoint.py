@@ -23,6 +23,7 @@ REQUIRED_KEYS = ("format_version", "model", "ema", "optimizer", "scaler", "step"
 # Config keys whose change breaks a run's continuation (model shape, data, randomness, schedule): section ->
 # key names, as each key's metadata in config.py says (``key(..., breaks_resume=True)``).
 BREAKING_KEYS = keys_where("breaks_resume")
+WAVELET_ONLY_KEYS = keys_where("wavelet_only")  # inert in pixel space
 
 
 class CheckpointError(RuntimeError):
@@ -206,7 +207,8 @@ def apply_retention(folder: Path, keep_last: int, milestone_every: int, protect:
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(breaking, harmless) differences between two config dicts, each as 'section.key: old -> new'. A key
     the saved config lacks (a checkpoint written before the key existed) counts as its built-in default: a
-    new key's default is the behaviour before it, so such a checkpoint still resumes."""
+    new key's default is the behaviour before it, so such a checkpoint still resumes. A key that acts only in
+    wavelet space (``wavelet_only``) is harmless where both configs train in pixel space."""
     breaking, harmless = [], []
     defaults = Config().to_dict()
     for section in sorted(set(saved) | set(current)):
@@ -217,10 +219,12 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[
             if old != new and section != "name":
                 harmless.append(f"{section}: {old!r} -> {new!r}")
             continue
+        inert = WAVELET_ONLY_KEYS.get(section, ()) if old.get("space") == new.get("space") == "pixel" else ()
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 line = f"{section}.{key}: {old.get(key)!r} -> {new.get(key)!r}"
-                (breaking if key in BREAKING_KEYS.get(section, ()) else harmless).append(line)
+                breaks = key in BREAKING_KEYS.get(section, ()) and key not in inert
+                (breaking if breaks else harmless).append(line)
     return breaking, harmless
 
 

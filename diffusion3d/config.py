@@ -35,12 +35,22 @@ def key(
     expect: str | None = None,
     breaks_resume: bool = False,
     cache: bool = False,
+    wavelet_only: bool = False,
 ) -> Any:
     """A config field: its default, its meaning (``--help``, the docs' key table), optionally a lower bound
     and the words for what it expects (for a type error's message). ``breaks_resume``: a checkpoint trained
     with another value cannot be continued (model shape, data, randomness, noise schedule; see
-    ``checkpoint.BREAKING_KEYS``). ``cache``: the cached training tensors depend on it (``data.transform_key``)."""
-    metadata = {"help": help, "at_least": at_least, "expect": expect, "breaks_resume": breaks_resume, "cache": cache}
+    ``checkpoint.BREAKING_KEYS``). ``cache``: the cached training tensors depend on it (``data.transform_key``).
+    ``wavelet_only``: it acts only in ``space: wavelet``, so a difference between two pixel-space configs breaks
+    nothing."""
+    metadata = {
+        "help": help,
+        "at_least": at_least,
+        "expect": expect,
+        "breaks_resume": breaks_resume,
+        "cache": cache,
+        "wavelet_only": wavelet_only,
+    }
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -158,13 +168,19 @@ class DataConfig(Section):
         "pixel", "diffusion on the voxels, or on their Haar subbands (WDM-3D)", breaks_resume=True
     )
     wavelet_levels: int = key(
-        1, "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)", at_least=1, breaks_resume=True
+        1,
+        "for space: wavelet, 1 or 2 levels (8 or 64 subbands at size/2 or size/4)",
+        at_least=1,
+        breaks_resume=True,
+        wavelet_only=True,
     )
-    wavelet_cond: Literal["haar", "pool"] = key(
+    wavelet_cond: Literal["haar", "pool", "labelmap"] = key(
         "haar",
         "for space: wavelet, the mask on the subband grid: the one-hot's Haar subbands (8^levels channels per "
-        "label) or its block-pooled label fractions (one channel per label)",
+        "label), its block-pooled label fractions (one channel per label) or the Haar subbands of one "
+        "label-index map (8^levels channels in all)",
         breaks_resume=True,
+        wavelet_only=True,
     )
     flip_axes: list[int] = key(
         [],
@@ -458,7 +474,7 @@ def key_index() -> dict[str, tuple[str, dataclasses.Field]]:
 
 
 def keys_where(flag: str) -> dict[str, tuple[str, ...]]:
-    """section -> its key names whose metadata sets ``flag`` (``breaks_resume`` or ``cache``), in field
+    """section -> its key names whose metadata sets ``flag`` (``breaks_resume``, ``cache``, ``wavelet_only``), in field
     order; sections without one are left out."""
     found = {section: tuple(f.name for f in fields(cls) if f.metadata.get(flag)) for section, cls in SECTIONS.items()}
     return {section: names for section, names in found.items() if names}

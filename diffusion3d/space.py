@@ -22,6 +22,9 @@ The mask condition on the subband grid (``cond``), two ways (``data.wavelet_cond
   channels per label, which keep where inside each block a boundary runs (the mask is recoverable exactly).
 - ``pool``: the one-hot average-pooled over each 2^levels block, i.e. every label's fraction of the block
   rescaled to [-1, 1]; one channel per label.
+- ``labelmap``: the Haar subbands of one label-index map (background -1, the k-th of L labels
+  -1 + 2k/L), encoded like the image: 8^levels channels whatever the number of labels. The mask is still
+  recoverable exactly (decode, then the nearest index), at the input width of one label's subbands.
 
 docs/design.md ("Spaces") has the measurement that chose ``haar`` and the reason for writing the
 transform here instead of depending on ``ptwt``.
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 LOWPASS_SCALE = 3.0  # WDM-3D's divisor of the low-pass band (its dwt returns LLL / 3.)
-COND_KINDS = ("pool", "haar")
+COND_KINDS = ("pool", "haar", "labelmap")
 DEFAULT_COND = "haar"  # chosen by measurement (docs/design.md, "Spaces")
 
 
@@ -184,9 +187,13 @@ class WaveletSpace:
         """The {-1, 1} one-hot [B, L, *size] on the subband grid: pooled label fractions or its subbands."""
         if self.cond_kind == "haar":
             return self.encode(cond)
+        if self.cond_kind == "labelmap":
+            return self.encode(label_index_map(cond))
         return F.avg_pool3d(cond, self.factor)
 
     def cond_channels(self, label_channels: int) -> int:
+        if self.cond_kind == "labelmap":
+            return 8**self.levels
         return label_channels * (8**self.levels if self.cond_kind == "haar" else 1)
 
     def latent_shape(self, image_channels: int, image_size: Sequence[int]) -> tuple[int, ...]:
@@ -195,6 +202,17 @@ class WaveletSpace:
                 f"image_size {list(image_size)}: must be divisible by {self.factor} for {self.levels} wavelet level(s)"
             )
         return (image_channels * 8**self.levels, *(int(s) // self.factor for s in image_size))
+
+
+def label_index_map(onehot: torch.Tensor) -> torch.Tensor:
+    """One channel from the {-1, 1} one-hot [B, L, *size] of exclusive labels: -1 where no label is set
+    (background), -1 + 2k/L where the k-th label (k = 1..L) is; [B, 1, *size]. Zeros (the null condition
+    of classifier-free guidance) stay zeros."""
+    labels = onehot.shape[1]
+    k = torch.arange(1, labels + 1, dtype=onehot.dtype, device=onehot.device).view(1, labels, *[1] * (onehot.dim() - 2))
+    index = ((onehot + 1) / 2 * k).sum(1, keepdim=True)  # 0 for background, k for label k
+    out = index * (2 / labels) - 1
+    return torch.where((onehot == 0).all(1, keepdim=True), torch.zeros_like(out), out)
 
 
 def make_space(cfg) -> PixelSpace | WaveletSpace:

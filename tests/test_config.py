@@ -298,7 +298,17 @@ def test_resume_breaking_keys_come_from_the_metadata():
     assert checkpoint.config_differences(older, C.Config().to_dict()) == ([], [])
     pooled = C.Config().to_dict()
     pooled["data"]["wavelet_cond"] = "pool"
+    # in pixel space the wavelet keys act on nothing: a difference there is harmless (the demo config's
+    # wavelet_cond changing under a pixel-space run must not refuse its resume)
+    assert checkpoint.config_differences(older, pooled) == ([], ["data.wavelet_cond: 'haar' -> 'pool'"])
+    older["data"]["space"] = pooled["data"]["space"] = "wavelet"
     assert checkpoint.config_differences(older, pooled)[0] == ["data.wavelet_cond: 'haar' -> 'pool'"]
+    wavelet = {**pooled, "data": {**pooled["data"], "wavelet_levels": 2}}
+    pixel = {**wavelet, "data": {**wavelet["data"], "space": "pixel"}}
+    assert checkpoint.config_differences(pooled, pixel)[0] == [
+        "data.space: 'wavelet' -> 'pixel'",
+        "data.wavelet_levels: 1 -> 2",
+    ]
     saved, current = C.Config().to_dict(), C.Config().to_dict()
     current["model"]["channels"], current["train"]["lr"] = [8, 16], 0.5
     assert checkpoint.config_differences(saved, current) == (

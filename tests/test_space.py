@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusion3d import config as C
+from diffusion3d import configs
 from diffusion3d import space as S
 from diffusion3d.diffusion import FLOW_TIME_SCALE, RectifiedFlow
 from diffusion3d.model import build_model, unet_channels
@@ -87,6 +88,27 @@ def test_condition_on_the_subband_grid():
     assert S.WaveletSpace(2).cond_channels(3) == 3 * 64  # the default: the subbands (docs/design.md, "Spaces")
 
 
+@pytest.mark.parametrize("levels", [1, 2])
+def test_the_label_map_condition_is_one_set_of_subbands_and_keeps_the_mask(levels):
+    """wavelet_cond labelmap: the subbands of one label-index map, 8^levels channels for any number of labels;
+    decoding it gives the index map exactly, so every voxel's label comes back. Zeros (the null condition)
+    stay zeros."""
+    generator = torch.Generator().manual_seed(3)
+    mask = torch.randint(0, 4, (2, 1, 8, 8, 8), generator=generator)  # background and labels 1-3
+    onehot = torch.cat([mask == k for k in (1, 2, 3)], 1).float() * 2 - 1
+    space = S.WaveletSpace(levels, cond="labelmap")
+    cond = space.cond(onehot)
+    assert cond.shape == (2, 8**levels, *[8 // 2**levels] * 3) and space.cond_channels(3) == 8**levels
+    index = space.decode(cond)
+    torch.testing.assert_close(index, mask.float() * 2 / 3 - 1)
+    assert torch.equal(((index + 1) * 3 / 2).round().long(), mask)
+    assert space.cond(torch.zeros_like(onehot)).eq(0).all()
+    # two masks that differ in one voxel's label give different conditions
+    other = mask.clone()
+    other[0, 0, 1, 2, 3] = (other[0, 0, 1, 2, 3] + 1) % 4
+    assert not torch.equal(space.cond(torch.cat([other == k for k in (1, 2, 3)], 1).float() * 2 - 1), cond)
+
+
 def test_pixel_space_is_the_identity():
     x = volumes((1, 2, 4, 4, 4))
     p = S.PixelSpace()
@@ -142,10 +164,25 @@ def test_wavelet_cond_key_chooses_the_condition_and_the_model_follows(tmp_path):
     m = pooled.model
     assert model.unet.conv_in.conv.out_channels == unet_channels(m.channels, 8 + 2, m.norm_num_groups)[0] == 12
     assert build_model(cfg).unet.conv_in.conv.out_channels == 24  # haar: 8 subbands + 2 labels × 8 in
+    labelmap = configure(cfg, wavelet_cond="labelmap")  # one label-index map's 8 subbands: 8 + 8 in
+    model = build_model(labelmap)
+    assert model.cond_channels == 8 and model.unet.conv_in.conv.in_channels == 16
+    assert model.unet.conv_in.conv.out_channels == 16  # the demo's own first level: not widened
     with pytest.raises(C.ConfigError, match="wavelet_cond"):
         configure(cfg, wavelet_cond="learned")
     hint = typing.get_type_hints(C.DataConfig)["wavelet_cond"]
     assert set(typing.get_args(hint)) == set(S.COND_KINDS) and C.DataConfig().wavelet_cond == S.DEFAULT_COND
+
+
+def test_the_demo_recipe_in_wavelet_space_conditions_on_the_label_map():
+    """The user's `train.py --space wavelet --image_size [64,64,64]` on the demo config: the label map's 8
+    subbands beside the image's 8, so the demo's 16-channel first level is not widened (the step cost
+    measured in docs/design.md, "Spaces")."""
+    cfg = C.load(configs.find("default")).override(space="wavelet", image_size=[64, 64, 64])
+    assert cfg.data.wavelet_cond == "labelmap" and S.make_space(cfg).cond_channels(len(cfg.data.labels)) == 8
+    conv_in = build_model(cfg).unet.conv_in.conv
+    assert (conv_in.in_channels, conv_in.out_channels) == (16, cfg.model.channels[0]) == (16, 16)
+    assert C.Config().data.wavelet_cond == "haar"  # the built-in default, as the bundled 128³/BraTS models use
 
 
 # ---- a sampler's oracle in subband space --------------------------------------------------------------

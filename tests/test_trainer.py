@@ -88,7 +88,7 @@ def test_flips_reach_training_and_keep_the_split_invariance(tmp_path):
     assert (runs["2x1"] - runs["plain"]).abs().max() > 1e-3 * scale
 
 
-@pytest.mark.parametrize("levels, cond", [(1, "haar"), (2, "haar"), (1, "pool")])
+@pytest.mark.parametrize("levels, cond", [(1, "haar"), (2, "haar"), (1, "pool"), (1, "labelmap")])
 def test_accumulation_invariance_in_wavelet_space(tmp_path, levels, cond):
     """Every split of the effective batch accumulates the same gradient and loss when the diffusion runs on
     Haar subbands (the trainer encodes per micro-batch; encoding is per sample). Compared step by step with
