@@ -6,6 +6,7 @@ validation sample; every command runs in-process through ``sample.main`` except 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
+from diffusion3d.commands import evaluate as E
 from diffusion3d.commands import sample as S
 from diffusion3d.data import build_dataset, discover, split_cases
 from diffusion3d.trainer import Trainer
@@ -374,6 +376,17 @@ def test_wavelet_checkpoint_samples_without_flags(tmp_path, capsys, levels):
     ours, img = volume(tmp_path / "out" / name)
     theirs, _ = volume(results / "samples" / "step_00000002" / name)
     assert ours.shape == (16, 16, 16) and np.array_equal(ours, theirs)
+    # `evaluate` scores the decoded samples against the real image like any other samples
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / f"{val[0].name}.nii.gz").write_bytes(val[0].images[0].read_bytes())
+    argv = ["--samples", str(tmp_path / "out"), "--images", str(images), "--masks", str(masks)]
+    with pytest.raises(SystemExit) as exc:
+        E.main([*argv, "--out", str(tmp_path / "eval"), "--report_cases", "0"])
+    assert exc.value.code == 0, capsys.readouterr().err
+    (scored,) = json.loads((tmp_path / "eval" / "metrics.json").read_text())["samples"]
+    assert scored["file"] == name and -1 <= scored["ssim"] < 1 and scored["mae"] > 0
+    assert {"0", "1", "2"} <= set(scored["labels"])
     oblique = np.zeros((40, 36, 30), np.uint8)
     oblique[12:28, 10:26, 8:22] = 1
     oblique[17:23, 15:21, 12:18] = 2
