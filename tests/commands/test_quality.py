@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import nibabel as nib
 import numpy as np
 import pytest
 
@@ -24,10 +25,7 @@ def test_phantom_sets_are_seeded_and_the_test_masks_are_not_trained_on(tmp_path)
     b = Q.write_set("phantom", tmp_path / "b", 4, 3, seed=0, size=16, labels=[1, 2])
     for x, y in zip(a, b):
         assert np.array_equal(x.mask, y.mask) and np.array_equal(x.truth, y.truth)  # reproducible
-    train = [
-        np.asarray(__import__("nibabel").load(str(p)).dataobj)
-        for p in sorted((tmp_path / "a" / "train" / "masks").iterdir())
-    ]
+    train = [np.asarray(nib.load(str(p)).dataobj) for p in sorted((tmp_path / "a" / "train" / "masks").iterdir())]
     for case in a:
         assert not any(np.array_equal(case.mask, m) for m in train)
     assert len({c.mask.tobytes() for c in a}) == 3
@@ -252,9 +250,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
 
 def test_wavelet_space_trains_and_scores_decoded_samples_on_the_mask_grid(tmp_path):
     """--set space=wavelet: the run trains on the subbands (its loss is not the pixel run's) and the scored
-    samples are decoded back onto the test masks' 16³ grid, in the image's range."""
-    import nibabel as nib
-
+    samples are decoded back onto the test masks' 16³ grid."""
     losses = {}
     for space in ("pixel", "wavelet"):
         out = tmp_path / f"{space}.json"
@@ -262,7 +258,7 @@ def test_wavelet_space_trains_and_scores_decoded_samples_on_the_mask_grid(tmp_pa
         argv += ["--n_train", "4", "--n_test", "1", "--sampling", "ddim:2", "--set", f"space={space}"]
         argv += ["--real_pair", str(tmp_path / "absent"), "--out", str(out), "--save_samples", str(tmp_path / space)]
         assert Q.main(argv) == 0
-        ((row,),) = [json.loads(out.read_text())["rows"]]
+        (row,) = json.loads(out.read_text())["rows"]
         assert f"space={space}" in row["run"] and -1 <= row["ssim"] <= 1 and 0 <= row["head_dice"] <= 1
         losses[space] = row["loss"]
         saved = tmp_path / space / "phantom" / "step_000002" / "ddim-2"
