@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from diffusion3d import precision
 from diffusion3d.precision import autocast_factory, resolve_precision
 
 
@@ -21,10 +22,25 @@ from diffusion3d.precision import autocast_factory, resolve_precision
         ("bf16", "cuda:1", "bf16", False),
     ],
 )
-def test_resolution_table(caplog, requested, device, expected, warns):
+def test_resolution_table(caplog, monkeypatch, requested, device, expected, warns):
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)  # a CPU with AVX-512 or AMX
     with caplog.at_level(logging.WARNING):
         assert resolve_precision(requested, torch.device(device)) == expected
     assert ("needs CUDA" in caplog.text) == warns
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_on_a_cpu_that_would_emulate_it_runs_in_fp32(caplog, monkeypatch, fast):
+    """Without AVX-512/AMX torch emulates bf16 (a conv3d 175x slower than fp32, measured): fp32 instead."""
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: fast)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_precision("bf16", "cpu") == ("bf16" if fast else "fp32")
+        assert resolve_precision("bf16", "cuda") == "bf16"  # the CPU's instructions do not matter there
+    assert ("emulated" in caplog.text) == (not fast)
+
+
+def test_the_cpu_check_answers_a_bool():
+    assert isinstance(precision.cpu_has_fast_bf16(), bool)
 
 
 def test_unknown_precision_is_refused():

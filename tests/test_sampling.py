@@ -148,8 +148,9 @@ def test_guidance_needs_a_conditional_model(tmp_path):
 @pytest.mark.parametrize(
     "precision, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float32)]
 )
-def test_generate_runs_the_runs_precision_resolved_for_the_device(untrained, precision, expected):
+def test_generate_runs_the_runs_precision_resolved_for_the_device(untrained, monkeypatch, precision, expected):
     """bf16 autocasts on the CPU (as training did); fp16 does not exist there, so it samples in fp32."""
+    monkeypatch.setattr("diffusion3d.precision.cpu_has_fast_bf16", lambda: True)  # a CPU with AVX-512 or AMX
     model, cfg = untrained
     cfg = C.from_dict(cfg.to_dict())
     cfg.train.precision = precision

@@ -43,7 +43,7 @@ from ..diffusion import SAMPLERS, make_diffusion
 from ..memory import estimate_step, flop_counter, measure_step, step_memory, synthetic_cases, table_row
 from ..model import build_model, count_parameters
 from ..monitor import current_rss_bytes, peak_rss_bytes
-from ..precision import autocast_factory
+from ..precision import autocast_factory, cpu_has_fast_bf16
 from ..sampling import ModelGridMask, generate
 from ..space import make_space
 from ..synthetic import write_cases
@@ -93,7 +93,7 @@ def median(values: Sequence[float]) -> float:
 def supported_precisions(device: torch.device) -> list[str]:
     if device.type == "cuda":
         return ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
-    return ["fp32", "bf16"]
+    return ["fp32"] + (["bf16"] if cpu_has_fast_bf16() else [])  # emulated bf16 is no row to plan with
 
 
 def sync(device: torch.device) -> None:

@@ -51,6 +51,7 @@ from .. import configs
 from ..data import build_dataset, discover, save_nifti
 from ..diffusion import make_diffusion
 from ..evaluation import metrics
+from ..precision import resolve_precision
 from ..sampling import ModelGridMask, generate, resolve
 from ..synthetic import SPACING, make_case
 from ..synthetic import save as save_phantom
@@ -534,6 +535,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: No
                 kind, root, args.n_train, args.n_test, args.data_seed, size, base.data.labels, args.real_pair
             )
             cfg = bench_config(base, root / "train", [*args.overrides, f"image_size=[{size},{size},{size}]"])
+            cfg.train.precision = resolve_precision(cfg.train.precision, device)  # as train does
             steps = args.steps or cfg.train.train_num_steps
             eval_at = sorted({*range(args.eval_every, steps + 1, args.eval_every), steps})
             specs = parse_sampling(args.sampling, cfg)

@@ -20,7 +20,8 @@ def _positive(value) -> bool:
 
 
 # ---- the benchmark command -----------------------------------------------------------------------
-def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, capsys):
+def test_quick_bench_in_process_writes_json_with_positive_numbers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: True)  # bf16 rows, as on a CPU with AVX-512 or AMX
     config = tiny(tmp_path).yaml()
     out = tmp_path / "bench.json"
     code = bench.main(
@@ -209,6 +210,15 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, needle):
     code = bench.main(["--config", str(config), "--device", "cpu", "--sizes", "16", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+
+
+def test_bf16_is_refused_on_a_cpu_that_would_emulate_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: False)
+    config = tiny(tmp_path).yaml()
+    assert bench.supported_precisions(bench.torch.device("cpu")) == ["fp32"]
+    code = bench.main(["--config", str(config), "--device", "cpu", "--sizes", "16", "--precisions", "bf16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "bf16 is not supported on cpu" in err[0]
 
 
 def test_bad_config_file_is_an_error_line(tmp_path, capsys):
