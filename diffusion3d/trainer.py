@@ -27,7 +27,7 @@ from .data import SampleStream, build_dataset, make_loader, mask_to_cond, split_
 from .diffusion import make_diffusion
 from .model import build_model
 from .monitor import Monitor, peak_rss_gb
-from .precision import autocast_factory
+from .precision import autocast_factory, resolve_precision
 from .space import make_space
 from .validator import Validator
 
@@ -370,7 +370,9 @@ class Trainer:
 def build_trainer(
     cfg: Config, cases: list, device, results: Path | None, rank: int = 0, world_size: int = 1
 ) -> Trainer:
-    """Split the cases, cache the training set, and build the Trainer."""
+    """Split the cases, cache the training set, and build the Trainer, in the precision ``device`` runs
+    (``resolve_precision``: fp16 off CUDA and bf16 on a CPU that would emulate it train in fp32)."""
+    cfg.train.precision = resolve_precision(cfg.train.precision, device)
     train_cases, val_cases = split_cases(cases, cfg.data.num_val_cases)
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else (results or Path(".")) / "cache"
     dataset = build_dataset(train_cases, cfg, cache_dir)

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from diffusion3d import precision
+from diffusion3d.data import discover
 from diffusion3d.precision import autocast_factory, resolve_precision
+from diffusion3d.trainer import build_trainer
+from tests.helpers import tiny_config
 
 
 @pytest.mark.parametrize(
@@ -37,6 +40,15 @@ def test_bf16_on_a_cpu_that_would_emulate_it_runs_in_fp32(caplog, monkeypatch, f
         assert resolve_precision("bf16", "cpu") == ("bf16" if fast else "fp32")
         assert resolve_precision("bf16", "cuda") == "bf16"  # the CPU's instructions do not matter there
     assert ("emulated" in caplog.text) == (not fast)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_python_apis_trainer_runs_the_precision_the_cpu_allows(tmp_path, monkeypatch, fast):
+    """build_trainer (the README's Python example) resolves as the train command does: no emulated bf16."""
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: fast)
+    cfg = tiny_config(tmp_path, precision="bf16")
+    trainer = build_trainer(cfg, discover(cfg), "cpu", None)
+    assert trainer.precision == cfg.train.precision == ("bf16" if fast else "fp32")
 
 
 def test_the_cpu_check_answers_a_bool():

@@ -16,6 +16,13 @@ def trainer_for(cfg, results=None):
     return build_trainer(cfg, discover(cfg), "cpu", results)
 
 
+@pytest.fixture
+def precision_as_given(monkeypatch):
+    """build_trainer without its precision resolution: these tests run fp16's and bf16's logic on the CPU on
+    purpose (fp16 autocast and GradScaler('cpu'), bf16 even where this CPU emulates it)."""
+    monkeypatch.setattr("diffusion3d.trainer.resolve_precision", lambda precision, device: precision)
+
+
 def flat_weights(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -204,7 +211,7 @@ def test_consecutive_nonfinite_steps_stop_training(tmp_path):
         trainer.train_step()
 
 
-def test_fp16_logic_on_cpu_scaler_skips_and_leaves_ema_alone(tmp_path):
+def test_fp16_logic_on_cpu_scaler_skips_and_leaves_ema_alone(tmp_path, precision_as_given):
     """fp16 autocast + GradScaler('cpu'): one unscale/step/update per step; an inf step is skipped."""
     cfg = tiny_config(tmp_path, precision="fp16", batch_size=1, gradient_accumulate_every=2)
     trainer = trainer_for(cfg)
@@ -222,7 +229,7 @@ def test_fp16_logic_on_cpu_scaler_skips_and_leaves_ema_alone(tmp_path):
     assert trainer.model.unet.conv_in.conv.weight.dtype == torch.float32  # master weights stay fp32
 
 
-def test_fp16_noising_and_loss_stay_fp32(tmp_path):
+def test_fp16_noising_and_loss_stay_fp32(tmp_path, precision_as_given):
     cfg = tiny_config(tmp_path, precision="fp16")
     trainer = trainer_for(cfg)
     seen = {}
@@ -232,9 +239,9 @@ def test_fp16_noising_and_loss_stay_fp32(tmp_path):
     assert losses.dtype == torch.float32
 
 
-def test_bf16_runs_without_a_scaler(tmp_path):
+def test_bf16_runs_without_a_scaler(tmp_path, precision_as_given):
     trainer = trainer_for(tiny_config(tmp_path, precision="bf16"))
-    assert not trainer.scaler.is_enabled()
+    assert trainer.precision == "bf16" and not trainer.scaler.is_enabled()
     result = trainer.train_step()
     assert not result.skipped and result.loss > 0
 
