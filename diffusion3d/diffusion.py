@@ -434,6 +434,8 @@ class RectifiedFlow(_Objective):
         clamp: Clamp = unit_clamp,
         error_weight: ErrorWeight = no_error_weight,
         output: str = "velocity",
+        x0_min_t: float = X0_MIN_T,
+        sampling_shift: float | None = None,
     ) -> None:
         if loss not in ("l1", "l2"):
             raise ValueError(f"unknown loss {loss!r}")
@@ -441,9 +443,13 @@ class RectifiedFlow(_Objective):
             raise ValueError(f"unknown flow output {output!r}")
         if time_sampling not in ("logit_normal", "uniform"):
             raise ValueError(f"unknown time sampling {time_sampling!r}")
-        if shift <= 0:
-            raise ValueError(f"flow shift must be positive, got {shift}")
+        if shift <= 0 or (sampling_shift is not None and sampling_shift <= 0):
+            raise ValueError(f"flow shift must be positive, got {shift} (sampling: {sampling_shift})")
+        if not 0.0 < x0_min_t <= 1.0:
+            raise ValueError(f"x0_min_t must be in (0, 1], got {x0_min_t}")
         self.shift = float(shift)
+        self.sampling_shift = self.shift if sampling_shift is None else float(sampling_shift)
+        self.x0_min_t = float(x0_min_t)
         self.loss_type = loss
         self.time_sampling = time_sampling
         self.clip_x0 = clip_x0
@@ -469,6 +475,8 @@ class RectifiedFlow(_Objective):
             clamp=space.clamp,
             error_weight=space.error_weight,
             output=d.flow_output,
+            x0_min_t=d.flow_x0_min_t,
+            sampling_shift=d.sampling_shift,
         )
 
     # ---- training ---------------------------------------------------------------------------------
@@ -499,17 +507,19 @@ class RectifiedFlow(_Objective):
 
     def loss_weight(self, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         """x-prediction's loss is the velocity's: v - v_hat = (x0_hat - x0) / t, so the x0 error is weighted
-        1 / t² (L2) or 1 / t (L1), with t at least X0_MIN_T (JiT, Li & He 2025) so that t → 0 stays finite."""
+        1 / t² (L2) or 1 / t (L1), with t at least ``x0_min_t`` (JiT, Li & He 2025: X0_MIN_T) so that t → 0 stays
+        finite; a larger floor weights the near-clean times less."""
         if self.output != "x0":
             return None
-        inv = 1.0 / t.float().clamp(min=X0_MIN_T).to(device)
+        inv = 1.0 / t.float().clamp(min=self.x0_min_t).to(device)
         return inv.square() if self.loss_type == "l2" else inv
 
     # ---- sampling ---------------------------------------------------------------------------------
     def time_grid(self, steps: int) -> list[float]:
-        """steps + 1 times from 1 (noise) to 0 (data), evenly spaced before the shift."""
+        """steps + 1 times from 1 (noise) to 0 (data), evenly spaced before the sampling shift (the training's
+        unless ``sampling_shift`` was given)."""
         steps = max(1, int(steps))
-        return [float(shift_time(1 - i / steps, self.shift)) for i in range(steps + 1)]
+        return [float(shift_time(1 - i / steps, self.sampling_shift)) for i in range(steps + 1)]
 
     def velocity(self, out: torch.Tensor, x_t: torch.Tensor, t: float) -> torch.Tensor:
         """The model's velocity, with its implied x0 clamped into range when clip_x0 (eps kept). An x0 output

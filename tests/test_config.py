@@ -28,6 +28,8 @@ from tests.helpers import ROOT, configure
         (dict(guidance_scale=-1.0), "guidance_scale: must be at least 0"),
         (dict(guidance_scale=2.0, with_condition=False), "guidance_scale: needs with_condition"),
         (dict(prediction="flow", sampler="euler", flow_shift=0.0), "flow_shift: must be positive"),
+        (dict(prediction="flow", sampler="euler", sampling_shift=-1.0), "sampling_shift: must be positive"),
+        (dict(prediction="flow", sampler="euler", flow_x0_min_t=0.0), "flow_x0_min_t: must be in (0, 1]"),
     ],
 )
 def test_bad_recipe_combinations_are_refused(values, message):

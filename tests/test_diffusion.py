@@ -418,13 +418,16 @@ def test_an_x0_output_samples_the_same_flow_as_the_velocity(sampler, steps):
     torch.testing.assert_close(by_x0, by_v, rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("loss", ["l2", "l1"])
-def test_an_x0_outputs_loss_is_the_velocitys_with_t_at_least_a_floor(loss):
+@pytest.mark.parametrize("loss,floor", [("l2", None), ("l1", None), ("l2", 0.3)])
+def test_an_x0_outputs_loss_is_the_velocitys_with_t_at_least_a_floor(loss, floor):
     """x-prediction's loss: the derived velocity (x_t - x0_hat) / t against the true one, i.e. the x0 error
-    over t; below X0_MIN_T the weight stops growing (a near-clean sample would otherwise dominate)."""
-    from diffusion3d.diffusion import X0_MIN_T
+    over t; below the floor (X0_MIN_T, or the config's flow_x0_min_t) the weight stops growing (a near-clean
+    sample would otherwise dominate)."""
+    from diffusion3d.diffusion import X0_MIN_T as DEFAULT_FLOOR
 
-    flow = RectifiedFlow(shift=1.0, loss=loss, time_sampling="uniform", output="x0")
+    X0_MIN_T = DEFAULT_FLOOR if floor is None else floor
+    kwargs = {} if floor is None else {"x0_min_t": floor}
+    flow = RectifiedFlow(shift=1.0, loss=loss, time_sampling="uniform", output="x0", **kwargs)
     x0 = torch.rand(200, 1, 4, 4, 4) * 2 - 1
     ids = list(range(200))
     t, noise = flow.draw(ids, x0.shape[1:])
@@ -440,6 +443,20 @@ def test_an_x0_outputs_loss_is_the_velocitys_with_t_at_least_a_floor(loss):
     floor = (guess - x0).flatten(1) / X0_MIN_T
     floor = floor.square() if loss == "l2" else floor.abs()
     torch.testing.assert_close(got[~above], floor.mean(1)[~above], rtol=1e-4, atol=0)
+
+
+def test_a_sampling_shift_moves_the_sampling_grid_and_not_the_training_times():
+    """sampling_shift: the samplers' time grid is shifted by it; the training draws keep flow_shift's."""
+    from diffusion3d.diffusion import make_diffusion, shift_time
+
+    cfg = C.Config().override(prediction="flow", sampler="heun", flow_shift=2.0)
+    trained, resampled = make_diffusion(cfg), make_diffusion(cfg.override(sampling_shift=0.5))
+    assert trained.time_grid(5) == pytest.approx([shift_time(1 - i / 5, 2.0) for i in range(6)])
+    assert resampled.time_grid(5) == pytest.approx([shift_time(1 - i / 5, 0.5) for i in range(6)])
+    assert resampled.time_grid(5)[-2] == pytest.approx(0.1 / 0.9)  # the last step from t 0.11 (0.33 at shift 2)
+    ids = list(range(8))
+    for a, b in zip(trained.draw(ids, (1, 2, 2, 2)), resampled.draw(ids, (1, 2, 2, 2)), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_flow_output_applies_to_the_flow_only():

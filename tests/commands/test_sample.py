@@ -344,6 +344,28 @@ def test_flow_checkpoint_samples_with_guidance_and_reproduces_validation(tmp_pat
         ["--checkpoint", str(results), "--masks", str(masks), "--out", str(tmp_path / "c"), "--sampler", "ddim"], capsys
     )
     assert code == 2 and "does not fit this checkpoint's flow model" in err
+    # --sampling_shift: the same checkpoint, seeds and sampler on another time grid gives another volume
+    argv = ["--checkpoint", str(results), "--masks", str(masks), "--out", str(tmp_path / "d"), "--sampling_shift"]
+    code, err = call([*argv, "3"], capsys)  # the run's own: resolution_shift at 16³, 0.5
+    assert code == 0, err
+    shifted = volume(tmp_path / "d" / name)[0]
+    assert shifted.shape == ours.shape and not np.array_equal(shifted, ours)
+    code, err = call([*argv[:-3], str(tmp_path / "e"), "--sampling_shift", "0"], capsys)
+    assert code == 2 and "--sampling_shift: expected a number > 0, got 0.0" in err and not (tmp_path / "e").exists()
+
+
+def test_sampling_shift_is_refused_for_a_gaussian_checkpoint(run, tmp_path, capsys):
+    cfg, results, _, val = run
+    out = tmp_path / "out"
+    code, err = call(
+        ["--checkpoint", str(results), "--masks", str(val.mask), "--out", str(out), "--sampling_shift", "0.5"], capsys
+    )
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"error: --sampling_shift: this checkpoint's model is Gaussian diffusion (prediction "
+        f"{cfg.diffusion.prediction}); the shift applies to prediction: flow"
+    ]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("levels", [1, 2])
