@@ -286,7 +286,7 @@ class DiffusionConfig(Section):
     flow_output: Literal["velocity", "x0"] = key(
         "velocity",
         "what the flow's network outputs: the velocity, or x0 (JiT's x-prediction: the velocity (x_t - x0) / t is "
-        "derived, the loss is the velocity's with t at least 0.05)",
+        "derived, the loss is the velocity's with t at least flow_x0_min_t)",
         breaks_resume=True,
     )
     flow_x0_min_t: float = key(

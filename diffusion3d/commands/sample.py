@@ -56,24 +56,24 @@ def _positive(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> float:
+def _number_above(text: str, low: float, inclusive: bool, finite: bool) -> float:
+    """A float >= low (inclusive) or > low, and not infinite where ``finite``; argparse's error otherwise."""
+    expected = f"expected a number {'>=' if inclusive else '>'} {low:g}"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+    if not (value >= low if inclusive else value > low) or (finite and value == float("inf")):
+        raise argparse.ArgumentTypeError(f"{expected}, got {value}")
     return value
+
+
+def _non_negative(text: str) -> float:
+    return _number_above(text, 0.0, inclusive=True, finite=False)
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
+    return _number_above(text, 0.0, inclusive=False, finite=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
