@@ -468,7 +468,7 @@ class _MetaCases(torch.utils.data.Dataset):
         return self.item
 
 
-def estimate_step(cfg, batch: int, accum: int = PLAN_ACCUM, rules: str = "cuda") -> StepEstimate:
+def estimate_step(cfg, batch: int, accum: int = PLAN_ACCUM, rules: str = "cuda", flops: bool = True) -> StepEstimate:
     """The memory and FLOPs of the config's training step at micro-batch ``batch``, without running it:
     the Trainer of ``cfg`` is built on the meta device (tensors with shapes and dtypes, no storage, no
     arithmetic) and its ``accumulate`` (space encoding, noising, forward, loss, backward; ``accum``
@@ -477,7 +477,7 @@ def estimate_step(cfg, batch: int, accum: int = PLAN_ACCUM, rules: str = "cuda")
     (``EmulatedAutocast``; ``rules="cpu"``: the CPU's, to check against a CPU measurement) and its
     activation checkpointing as configured, so the figure is what a GPU's
     tensors would hold (without the allocator's caching and cuDNN workspaces: see CPU_SAFETY_FRACTION).
-    Traces a 256³ step in seconds on a CPU."""
+    Traces a 256³ step in seconds on a CPU. ``flops=False`` skips the FLOP trace (``flops`` is then 0)."""
     plan = C.from_dict(cfg.to_dict())
     precision = plan.train.precision
     plan.train.precision = "fp32"  # the trace's casts come from EmulatedAutocast
@@ -494,17 +494,21 @@ def estimate_step(cfg, batch: int, accum: int = PLAN_ACCUM, rules: str = "cuda")
     with emulation, tracker, torch.autograd.set_multithreading_enabled(False):
         trainer.accumulate()
     model.zero_grad(set_to_none=True)
-    # FLOPs in a trace of their own: FlopCounterMode's module hooks keep recomputed activations alive
+    if not flops:
+        return StepEstimate(batch, static_bytes(model), tracker.peak)
+    # FLOPs in a trace of their own, of one micro-batch (each costs the same): FlopCounterMode's module hooks
+    # keep recomputed activations alive
+    trainer.cfg.train.gradient_accumulate_every = 1
     counter = flop_counter()
     with emulation, counter, torch.autograd.set_multithreading_enabled(False):
         trainer.accumulate()
-    return StepEstimate(batch, static_bytes(model), tracker.peak, int(counter.get_total_flops()) // accum)
+    return StepEstimate(batch, static_bytes(model), tracker.peak, int(counter.get_total_flops()))
 
 
 def estimate_memory_model(cfg) -> tuple[MemoryModel, int]:
     """The linear memory model (as ``fit_memory_model``) from meta traces at batch 1 and 2, and the FLOPs of
     one sample's forward and backward."""
-    one, two = estimate_step(cfg, 1), estimate_step(cfg, 2)
+    one, two = estimate_step(cfg, 1), estimate_step(cfg, 2, flops=False)
     slope = two.step_peak_bytes - one.step_peak_bytes
     return MemoryModel(one.static_bytes, one.step_peak_bytes - slope, slope), one.flops
 

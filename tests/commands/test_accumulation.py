@@ -11,7 +11,7 @@ from diffusion3d.commands.bench import main as bench_main
 
 @pytest.fixture(scope="module")
 def report():
-    return A.measure(batch_size=1, accum=3, steps=2, sgd_lr=0.05, size=16)
+    return A.measure(batch_size=1, accum=3, steps=2, sgd_lr=0.05, size=8)
 
 
 def test_accumulated_gradient_equals_one_large_batch_in_every_precision(report):
