@@ -473,10 +473,10 @@ def estimate_step(cfg, batch: int, accum: int = PLAN_ACCUM, rules: str = "cuda",
     the Trainer of ``cfg`` is built on the meta device (tensors with shapes and dtypes, no storage, no
     arithmetic) and its ``accumulate`` (space encoding, noising, forward, loss, backward; ``accum``
     micro-batches, so one micro-batch's activations meet the gradients the step holds) runs under the
-    live-byte counter and FlopCounterMode. The config's precision is replayed with CUDA's autocast rules
-    (``EmulatedAutocast``; ``rules="cpu"``: the CPU's, to check against a CPU measurement) and its
-    activation checkpointing as configured, so the figure is what a GPU's
-    tensors would hold (without the allocator's caching and cuDNN workspaces: see CPU_SAFETY_FRACTION).
+    live-byte counter, then one micro-batch under FlopCounterMode. The config's precision is replayed with
+    CUDA's autocast rules (``EmulatedAutocast``; ``rules="cpu"``: the CPU's, to check against a CPU
+    measurement) and its activation checkpointing as configured, so the figure is what a GPU's tensors would
+    hold (without the allocator's caching and cuDNN workspaces: see CPU_SAFETY_FRACTION).
     Traces a 256³ step in seconds on a CPU. ``flops=False`` skips the FLOP trace (``flops`` is then 0)."""
     plan = C.from_dict(cfg.to_dict())
     precision = plan.train.precision
@@ -498,7 +498,7 @@ def estimate_step(cfg, batch: int, accum: int = PLAN_ACCUM, rules: str = "cuda",
         return StepEstimate(batch, static_bytes(model), tracker.peak)
     # FLOPs in a trace of their own, of one micro-batch (each costs the same): FlopCounterMode's module hooks
     # keep recomputed activations alive
-    trainer.cfg.train.gradient_accumulate_every = 1
+    plan.train.gradient_accumulate_every = 1  # the trainer's config: accumulate reads it on each call
     counter = flop_counter()
     with emulation, counter, torch.autograd.set_multithreading_enabled(False):
         trainer.accumulate()
