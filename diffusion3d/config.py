@@ -344,7 +344,16 @@ class TrainConfig(Section):
     )
     max_batch: int = key(64, "the largest micro-batch batch_size: auto tries", at_least=1)
     train_num_steps: int = key(1000, "optimizer steps", at_least=1)
-    lr: float = key(1e-4, "learning rate (AdamW)")
+    optimizer: Literal["adamw", "muon"] = key(
+        "adamw",
+        "adamw, or muon: Muon on the hidden weights, AdamW on the first and last layers, biases and norms, "
+        "with the same lr (Muon's update is scaled to AdamW's RMS; diffusion3d/optimizer.py)",
+        breaks_resume=True,
+    )
+    muon_lr_ratio: float = key(
+        1.0, "optimizer muon only: the hidden weights' lr over lr (1: the same update RMS as AdamW's)"
+    )
+    lr: float = key(1e-4, "learning rate (AdamW's; Muon's is lr x muon_lr_ratio)")
     weight_decay: float = key(0.0, "AdamW weight decay (0: Adam, as Med-DDPM)")
     warmup_steps: int = key(0, "linear warmup, in optimizer steps")
     lr_schedule: Literal["constant", "cosine"] = key("constant", "learning rate after warmup")
@@ -390,6 +399,8 @@ class TrainConfig(Section):
                 )
         if self.lr <= 0:
             raise ConfigError(f"lr: must be positive, got {self.lr}")
+        if self.muon_lr_ratio <= 0:
+            raise ConfigError(f"muon_lr_ratio: must be positive, got {self.muon_lr_ratio}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay: must be in [0, 1), got {self.ema_decay}")
         if len(self.adam_betas) != 2:

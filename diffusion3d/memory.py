@@ -184,7 +184,9 @@ class StepMemory:
 
 
 def static_bytes(model: torch.nn.Module) -> int:
-    """Weights + EMA copy + AdamW's two moments, all fp32 like the parameters (gradients are measured)."""
+    """Weights + EMA copy + AdamW's two moments, all fp32 like the parameters (gradients are measured). With
+    ``train.optimizer: muon`` the hidden weights keep one momentum buffer instead of two moments, so this is
+    high by one copy of them."""
     param = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return 4 * param + 2 * buffers

@@ -27,6 +27,7 @@ from .data import SampleStream, build_dataset, make_loader, mask_to_cond, split_
 from .diffusion import make_diffusion
 from .model import build_model
 from .monitor import Monitor, peak_rss_gb
+from .optimizer import build_optimizer
 from .precision import autocast_factory, resolve_precision
 from .space import make_space
 from .validator import Validator
@@ -107,9 +108,7 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.train_model = DistributedDataParallel(model, device_ids=ids)
         self.forward: Callable = torch.compile(self.train_model) if t.compile else self.train_model
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay
-        )
+        self.optimizer = build_optimizer(model, t.optimizer, t.lr, t.adam_betas, t.weight_decay, t.muon_lr_ratio)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.diffusion = make_diffusion(cfg)
         self.space = make_space(cfg)  # the diffusion sees encoded images and conditions (pixel: unchanged)
@@ -186,7 +185,7 @@ class Trainer:
         t = self.cfg.train
         lr = lr_at(self.step, t.lr, t.warmup_steps, t.train_num_steps, t.lr_schedule, t.min_lr_ratio)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)  # muon: its hidden-weight group runs at muon_lr_ratio
         return lr
 
     def _clip_and_reduce(self, losses: torch.Tensor) -> tuple[float, float, bool]:

@@ -40,12 +40,13 @@ WAVELET_1, WAVELET_2 = {"space": "wavelet", "wavelet_levels": 1}, {"space": "wav
 
 @pytest.mark.parametrize(
     "space",
-    [{}, WAVELET_1, WAVELET_2, {"flip_axes": [0, 1, 2]}],
-    ids=["pixel", "wavelet1", "wavelet2", "pixel_flips"],
+    [{}, WAVELET_1, WAVELET_2, {"flip_axes": [0, 1, 2]}, {"optimizer": "muon"}],
+    ids=["pixel", "wavelet1", "wavelet2", "pixel_flips", "muon"],
 )
 def test_exact_resume_in_process(tmp_path, space):
-    """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32), in every space
-    and with flip augmentation (each sample's flips are drawn from (seed, sample id))."""
+    """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32), in every space,
+    with flip augmentation (each sample's flips are drawn from (seed, sample id)) and with Muon (its momentum
+    buffers and AdamW's moments come back from the checkpoint)."""
     cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=2, train_num_steps=4, **space)
     cases = discover(cfg)
     straight = build_trainer(cfg, cases, "cpu", None)
@@ -62,7 +63,11 @@ def test_exact_resume_in_process(tmp_path, space):
     for _ in range(2):
         resumed.train_step()
     assert_same_weights(straight.state_dict(), resumed.state_dict())
-    assert resumed.optimizer.state_dict()["state"][0]["step"] == straight.optimizer.state_dict()["state"][0]["step"]
+    resumed_state, straight_state = resumed.optimizer.state_dict()["state"], straight.optimizer.state_dict()["state"]
+    assert resumed_state.keys() == straight_state.keys()
+    for i, state in straight_state.items():
+        assert state.keys() == resumed_state[i].keys()
+        assert all(torch.equal(state[k], resumed_state[i][k]) for k in state)
 
 
 def test_checkpoint_holds_everything(tmp_path):

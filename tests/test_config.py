@@ -141,6 +141,7 @@ def test_every_choice_key_is_typed():
         "flow_time_sampling",
         "flow_output",
         "lr_schedule",
+        "optimizer",
         "precision",
         "space",
         "wavelet_cond",
@@ -292,7 +293,7 @@ def test_resume_breaking_keys_come_from_the_metadata():
             "wavelet_levels",
             "wavelet_cond",
         },
-        "train": {"seed"},
+        "train": {"seed", "optimizer"},
     }
     # a checkpoint written before a key existed lacks it: it ran with the key's default, and still resumes
     older = C.Config().to_dict()

@@ -211,9 +211,11 @@ def test_consecutive_nonfinite_steps_stop_training(tmp_path):
         trainer.train_step()
 
 
-def test_fp16_logic_on_cpu_scaler_skips_and_leaves_ema_alone(tmp_path, precision_as_given):
-    """fp16 autocast + GradScaler('cpu'): one unscale/step/update per step; an inf step is skipped."""
-    cfg = tiny_config(tmp_path, precision="fp16", batch_size=1, gradient_accumulate_every=2)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fp16_logic_on_cpu_scaler_skips_and_leaves_ema_alone(tmp_path, precision_as_given, optimizer):
+    """fp16 autocast + GradScaler('cpu'): one unscale/step/update per step; an inf step is skipped, with
+    either optimizer (the scaler unscales and skips Muon's groups like AdamW's)."""
+    cfg = tiny_config(tmp_path, precision="fp16", batch_size=1, gradient_accumulate_every=2, optimizer=optimizer)
     trainer = trainer_for(cfg)
     assert trainer.scaler.is_enabled() and trainer.precision == "fp16"
     first = trainer.train_step()
