@@ -40,8 +40,8 @@ WAVELET_1, WAVELET_2 = {"space": "wavelet", "wavelet_levels": 1}, {"space": "wav
 
 @pytest.mark.parametrize(
     "space",
-    [{}, WAVELET_1, WAVELET_2, {"flip_axes": [0, 1, 2]}, {"optimizer": "muon"}],
-    ids=["pixel", "wavelet1", "wavelet2", "pixel_flips", "muon"],
+    [{}, WAVELET_1, WAVELET_2, {"flip_axes": [0, 1, 2]}, {"optimizer": "muon"}, {**WAVELET_1, "optimizer": "muon"}],
+    ids=["pixel", "wavelet1", "wavelet2", "pixel_flips", "muon", "wavelet1_muon"],
 )
 def test_exact_resume_in_process(tmp_path, space):
     """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32), in every space,

@@ -86,13 +86,19 @@ def test_build_optimizer_names_and_errors(tmp_path):
     assert typing.get_args(literal) == OPTIMIZERS
 
 
-def test_muon_run_keeps_the_split_invariance_and_differs_from_adamw(tmp_path):
+@pytest.mark.parametrize("space", [{}, {"space": "wavelet"}], ids=["pixel", "wavelet"])
+def test_muon_run_keeps_the_split_invariance_and_differs_from_adamw(tmp_path, space):
     """3 Muon steps as 2 × 1 and 1 × 2 give the same weights (the orthogonalisation sees the same accumulated
-    gradient); AdamW from the same start ends elsewhere, so the Muon groups did step."""
+    gradient), in both spaces; AdamW from the same start ends elsewhere, so the Muon groups did step."""
     weights = {}
     for name, bs, accum, optimizer in (("2x1", 2, 1, "muon"), ("1x2", 1, 2, "muon"), ("adamw", 2, 1, "adamw")):
         cfg = tiny_config(
-            tmp_path / name, batch_size=bs, gradient_accumulate_every=accum, max_grad_norm=1e9, optimizer=optimizer
+            tmp_path / name,
+            batch_size=bs,
+            gradient_accumulate_every=accum,
+            max_grad_norm=1e9,
+            optimizer=optimizer,
+            **space,
         )
         trainer = build_trainer(cfg, discover(cfg), "cpu", None)
         assert isinstance(trainer.optimizer, MuonWithAdamW) == (optimizer == "muon")
