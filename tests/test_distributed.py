@@ -279,13 +279,17 @@ def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
 
 # ---- 2 processes under torchrun ---------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("space", ["pixel", "wavelet"])
-def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path, space):
+@pytest.mark.parametrize(
+    "space, optimizer", [("pixel", "adamw"), ("wavelet", "adamw"), ("pixel", "muon")], ids=["pixel", "wavelet", "muon"]
+)
+def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path, space, optimizer):
     """2 ranks × batch 1 × accum 2 == 1 process × batch 1 × accum 4, step by step; rank 0 alone writes;
-    a checkpoint moves between 1 and 2 processes in both directions. In pixel and in wavelet space."""
+    a checkpoint moves between 1 and 2 processes in both directions. In pixel and in wavelet space, and with
+    Muon (each rank orthogonalises the same all-reduced momentum)."""
     base = tiny_config(
         tmp_path,
         space=space,
+        optimizer=optimizer,
         batch_size=1,
         train_num_steps=STEPS,
         save_every=1,
