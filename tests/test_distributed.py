@@ -280,7 +280,9 @@ def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
 # ---- 2 processes under torchrun ---------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "space, optimizer", [("pixel", "adamw"), ("wavelet", "adamw"), ("pixel", "muon")], ids=["pixel", "wavelet", "muon"]
+    "space, optimizer",
+    [("pixel", "adamw"), ("wavelet", "adamw"), ("pixel", "muon"), ("wavelet", "muon")],
+    ids=["pixel", "wavelet", "muon", "wavelet_muon"],
 )
 def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path, space, optimizer):
     """2 ranks × batch 1 × accum 2 == 1 process × batch 1 × accum 4, step by step; rank 0 alone writes;
