@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import Config, keys_where
+from .config import WAVELET, Config, keys_where
 from .storage import atomic_write, check_free_space, storage_error
 
 log = logging.getLogger(__name__)
@@ -215,6 +215,8 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[
         old, new = saved.get(section), current.get(section)
         if isinstance(old, dict) and isinstance(defaults.get(section), dict):
             old = {**defaults[section], **old}
+        if section == WAVELET:
+            continue  # values for a space the run may not train in; a wavelet run's are in its sections
         if not isinstance(old, dict) or not isinstance(new, dict):
             if old != new and section != "name":
                 harmless.append(f"{section}: {old!r} -> {new!r}")
@@ -258,7 +260,8 @@ def select_checkpoint(
         raise CheckpointError(
             f"{path}: the config differs from the checkpoint's in ways that break the run: "
             + "; ".join(breaking)
-            + " (use another --results_dir, or --resume none --overwrite)"
+            + " (give the checkpoint's values as flags to continue it, use another --results_dir, "
+            "or --resume none --overwrite)"
         )
     for line in harmless:
         log.info("config change since the checkpoint (allowed): %s", line)

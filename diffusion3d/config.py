@@ -426,6 +426,7 @@ SECTIONS: dict[str, type[Section]] = {
     "train": TrainConfig,
 }
 ALIASES = {"accum": "gradient_accumulate_every"}
+WAVELET = "wavelet"  # the config section of values for space: wavelet (``Config.wavelet``)
 
 
 @dataclass
@@ -435,6 +436,10 @@ class Config:
     diffusion: DiffusionConfig = dataclasses.field(default_factory=DiffusionConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     name: str = "default"
+    # A config file's ``wavelet:`` section: keys (any section's, by name) and the values they take where the run
+    # trains in wavelet space, the recipe that space needs. ``validate`` applies them once the space is wavelet
+    # and empties this; a key set by name before that (the command line, ``override``) keeps its own value.
+    wavelet: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -446,7 +451,7 @@ class Config:
         cfg = copy.deepcopy(self)
         pairs = values.items() if isinstance(values, Mapping) else values
         for name, value in [*pairs, *more.items()]:
-            set_key(cfg, name, value)
+            set_by_name(cfg, name, value)
         cfg.validate()
         return cfg
 
@@ -467,7 +472,9 @@ class Config:
         return len(self.data.labels) if self.model.with_condition else 0
 
     def validate(self) -> None:
-        """Each section checks itself; then the checks that span sections."""
+        """The wavelet section's values where the space is wavelet; each section checks itself; then the checks
+        that span sections."""
+        apply_wavelet_values(self)
         for section in SECTIONS:
             getattr(self, section).validate()
         d, m = self.data, self.model
@@ -526,6 +533,41 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
     setattr(getattr(cfg, section), key, coerce(key, value, hint_of(key), f.metadata.get("expect")))
 
 
+def set_by_name(cfg: Config, key: str, value: Any) -> None:
+    """``set_key`` for a value the user names (the command line, ``override``): it also outranks the config's
+    ``wavelet`` value of that key."""
+    set_key(cfg, key, value)
+    cfg.wavelet.pop(ALIASES.get(key, key), None)
+
+
+def apply_wavelet_values(cfg: Config) -> None:
+    """Where the run trains in wavelet space, set the config's ``wavelet`` values and empty it: from then on they
+    are the config's own (a checkpoint stores them so; sampling and resume need no flag)."""
+    if cfg.data.space != "wavelet" or not cfg.wavelet:
+        return
+    for key, value in cfg.wavelet.items():
+        set_key(cfg, key, value)
+    cfg.wavelet = {}
+
+
+def _wavelet_values(values: Any, source: str) -> dict[str, Any]:
+    """A config's ``wavelet`` section, each key known and each value of its type (checked now, not only when a
+    run first trains in wavelet space)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: section {WAVELET!r} must be a mapping")
+    index, checked = key_index(), {}
+    for key, value in values.items():
+        key = ALIASES.get(key, key)
+        if key == "space" or key not in index:
+            why = "the space itself" if key == "space" else "unknown key"
+            raise ConfigError(f"{source}: {why} {key!r} in section {WAVELET!r}")
+        try:
+            checked[key] = coerce(key, value, hint_of(key), index[key][1].metadata.get("expect"))
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {WAVELET}.{e}") from None
+    return checked
+
+
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     """Build a Config from a (possibly partial) sectioned dict, as read from YAML."""
     cfg = Config()
@@ -535,8 +577,12 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
         if section == "name":
             cfg.name = str(values)
             continue
+        if section == WAVELET:
+            cfg.wavelet = _wavelet_values(values, source)
+            continue
         if section not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section {section!r} (expected one of {', '.join(SECTIONS)})")
+            expected = ", ".join([*SECTIONS, WAVELET])
+            raise ConfigError(f"{source}: unknown section {section!r} (expected one of {expected})")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section {section!r} must be a mapping")
         for key, value in values.items():
@@ -604,6 +650,8 @@ def _help(f: dataclasses.Field, section: str, shipped: Config | None) -> str:
     text = f"{f.metadata['help']} (default: {show(default)}"
     if shipped is not None and getattr(getattr(shipped, section), f.name) != default:
         text += f"; the default config sets {show(getattr(getattr(shipped, section), f.name))}"
+    if shipped is not None and f.name in shipped.wavelet:
+        text += f"; {show(shipped.wavelet[f.name])} in wavelet space"
     return (text + ")").replace("%", "%%")  # argparse formats help with %
 
 
@@ -636,7 +684,7 @@ def apply_arguments(cfg: Config, args: argparse.Namespace) -> None:
     for name in [*key_index(), "name"]:
         value = getattr(args, name, None)
         if value is not None:
-            set_key(cfg, name, parse_value(value))
+            set_by_name(cfg, name, parse_value(value))
 
 
 # ---- the docs' key table -------------------------------------------------------------------------------
@@ -691,11 +739,14 @@ def key_table_markdown(shipped: Config | None = None) -> str:
         for f in fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             demo = getattr(getattr(shipped, section), f.name)
+            demo_cell = f"`{show(demo)}`" if demo != default else ""
+            if f.name in shipped.wavelet:
+                demo_cell += f" (wavelet: `{show(shipped.wavelet[f.name])}`)"
             cells = [
                 section,
                 f"`{f.name}`",
                 f"`{show(default)}`",
-                f"`{show(demo)}`" if demo != default else "",
+                demo_cell.strip(),
                 _values(hints[f.name], f.metadata.get("at_least")),
                 "yes" if f.metadata.get("breaks_resume") else "",
                 "yes" if f.metadata.get("cache") else "",

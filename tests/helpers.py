@@ -77,11 +77,21 @@ def configure(cfg: C.Config, **values) -> C.Config:
     return cfg.override(**values)
 
 
+def sections(cfg: C.Config) -> dict:
+    """cfg's sections as a dict: what a run trains with, without the ``wavelet`` section's values (inert in pixel
+    space, already in the sections in wavelet space)."""
+    return {key: value for key, value in cfg.to_dict().items() if key != C.WAVELET}
+
+
 def as_flags(cfg: C.Config) -> list[str]:
     """cfg as train.py flags: every key (and the name) where it differs from the default config, which is
-    where the command line starts, so that ``cli.parse(as_flags(cfg))`` builds cfg again."""
+    where the command line starts (in cfg's space: in wavelet space with its ``wavelet`` section's values), so
+    that ``cli.parse(as_flags(cfg))`` builds cfg's sections again."""
     default = C.load(configs.DEFAULT)
     flags = [] if cfg.name == default.name else ["--name", cfg.name]
+    if cfg.data.space != default.data.space:
+        flags += ["--space", cfg.data.space]
+        default = default.override(space=cfg.data.space)
     for key, (section, _) in C.key_index().items():
         value = getattr(getattr(cfg, section), key)
         if value != getattr(getattr(default, section), key):

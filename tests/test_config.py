@@ -49,7 +49,7 @@ def test_unknown_section_and_key_are_refused_naming_the_file(tmp_path):
     path.write_text("optim:\n  lr: 0.1\n")
     with pytest.raises(C.ConfigError) as e:
         C.load(path)
-    assert str(e.value) == f"{path}: unknown section 'optim' (expected one of data, model, diffusion, train)"
+    assert str(e.value) == f"{path}: unknown section 'optim' (expected one of data, model, diffusion, train, wavelet)"
     path.write_text("train:\n  learning_rate: 0.1\n")
     with pytest.raises(C.ConfigError, match=r"unknown key 'learning_rate' in section 'train'"):
         C.load(path)
@@ -180,6 +180,94 @@ def test_sections_check_their_own_bounds():
     assert type(section.lower_percentile) is float
 
 
+# ---- the wavelet section: what a recipe changes where it trains in wavelet space -----------------------
+WAVELET_RECIPE = {  # configs/default.yaml's wavelet section (docs/performance.md, "The wavelet space's recipe")
+    "wavelet_cond": "labelmap",
+    "flow_output": "x0",
+    "flow_x0_min_t": 0.3,
+    "flow_shift": 3.0,
+    "optimizer": "muon",
+    "muon_lr_ratio": 3.0,
+    "sampling_steps": 10,
+}
+
+
+def _values(cfg, keys):
+    return {k: getattr(getattr(cfg, C.key_index()[k][0]), k) for k in keys}
+
+
+def test_the_demo_config_trains_in_wavelet_space_with_its_wavelet_values():
+    """`train.py --space wavelet` (and quality's `--set space=wavelet`) on the demo config gives the wavelet
+    recipe; in pixel space nothing of it acts. A resolved wavelet config holds the values in its sections (so a
+    checkpoint samples and resumes without flags) and no section left to apply."""
+    demo = C.load(configs.find("default"))
+    assert demo.wavelet == WAVELET_RECIPE
+    pixel = demo.override(image_size=[64, 64, 64])
+    assert _values(pixel, WAVELET_RECIPE) == {
+        "wavelet_cond": "haar",
+        "flow_output": "velocity",
+        "flow_x0_min_t": 0.05,
+        "flow_shift": 2.0,
+        "optimizer": "adamw",
+        "muon_lr_ratio": 1.0,
+        "sampling_steps": 25,
+    }
+    assert pixel.wavelet == WAVELET_RECIPE  # kept: a later --space wavelet still gets it
+    wavelet = demo.override(space="wavelet", image_size=[64, 64, 64])
+    assert _values(wavelet, WAVELET_RECIPE) == WAVELET_RECIPE and wavelet.wavelet == {}
+    _, cfg = cli.parse(["--with_condition", "--accum", "2", "--space", "wavelet", "--image_size", "[64,64,64]"])
+    assert _values(cfg, WAVELET_RECIPE) == WAVELET_RECIPE and cfg.to_dict() == wavelet.to_dict()
+    assert C.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()  # as a checkpoint's config reads back
+    assert demo.wavelet == WAVELET_RECIPE  # override copies: the loaded config is untouched
+
+
+def test_a_key_the_user_names_outranks_the_wavelet_section():
+    demo = C.load(configs.find("default"))
+    _, cfg = cli.parse(["--space", "wavelet", "--flow_output", "velocity", "--flow_shift", "2"])
+    assert (cfg.diffusion.flow_output, cfg.diffusion.flow_shift, cfg.train.optimizer) == ("velocity", 2.0, "muon")
+    named_first = demo.override(flow_shift=5.0).override(space="wavelet")  # named before the space: still wins
+    assert named_first.diffusion.flow_shift == 5.0 and named_first.diffusion.flow_output == "x0"
+    assert demo.override({"space": "wavelet", "sampling_steps": 25}).diffusion.sampling_steps == 25
+
+
+def test_a_wavelet_section_acts_only_in_wavelet_space_and_is_checked_on_load(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "data:\n  space: wavelet\ndiffusion:\n  prediction: flow\n  sampler: euler\n"
+        "wavelet:\n  flow_output: x0\n  accum: 2\n"
+    )
+    cfg = C.load(path)
+    assert cfg.wavelet == {"flow_output": "x0", "gradient_accumulate_every": 2}  # the alias is resolved
+    C.validate(cfg)
+    assert (cfg.diffusion.flow_output, cfg.train.gradient_accumulate_every, cfg.wavelet) == ("x0", 2, {})
+    _, pixel = cli.parse(["--config", str(path), "--space", "pixel"])
+    assert pixel.diffusion.flow_output == "velocity"
+    assert pixel.wavelet == {"flow_output": "x0", "gradient_accumulate_every": 2}
+    for text, message in [
+        ("wavelet:\n  flow_outpt: x0\n", "unknown key 'flow_outpt' in section 'wavelet'"),
+        ("wavelet:\n  space: pixel\n", "the space itself 'space' in section 'wavelet'"),
+        ("wavelet:\n  flow_output: x1\n", "wavelet.flow_output: 'x1' is not one of velocity, x0"),
+        ("wavelet:\n  lr: fast\n", "wavelet.lr: expected a number, got 'fast'"),
+        ("wavelet: [x0]\n", "section 'wavelet' must be a mapping"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(C.ConfigError) as e:
+            C.load(path)  # refused when read, even for a run that trains in pixel space
+        assert str(e.value) == f"{path}: {message}"
+
+
+def test_the_wavelet_section_never_refuses_or_logs_a_resume():
+    """A checkpoint's config differs from today's only in the wavelet section (one written before the section
+    existed, or after its values changed): no difference, breaking or harmless."""
+    demo = C.load(configs.find("default"))
+    demo.validate()
+    older = demo.to_dict()
+    del older["wavelet"]
+    assert checkpoint.config_differences(older, demo.to_dict()) == ([], [])
+    changed = {**demo.to_dict(), "wavelet": {"flow_output": "velocity"}}
+    assert checkpoint.config_differences(changed, demo.to_dict()) == ([], [])
+
+
 # ---- --help ----------------------------------------------------------------------------------------
 def test_help_lists_every_key_with_its_meaning_default_and_choices():
     text = " ".join(cli.build_parser().format_help().split())  # what train.py --help prints; argparse wraps lines
@@ -193,6 +281,8 @@ def test_help_lists_every_key_with_its_meaning_default_and_choices():
     assert "--batch_size INT|auto " in text and "--spacing [FLOAT,...]|null " in text
     assert "--no_with_condition" in text and "--accum N short for --gradient_accumulate_every" in text
     assert "(default: eps; the default config sets flow)" in text  # configs/default.yaml's own values too
+    assert "(default: velocity; x0 in wavelet space)" in text  # and its wavelet section's
+    assert "(default: null; the default config sets 2.0; 3.0 in wavelet space)" in text
 
 
 # ---- image channels: recorded by discovery, never read from files by the config --------------------
@@ -355,6 +445,7 @@ def test_key_table_says_default_demo_value_resume_and_cache():
     assert rows["loss"][3] == "`l2`" and rows["schedule"][3] == ""  # the demo's value only where it differs
     assert rows["image_size"][5:7] == ["yes", "yes"] and rows["seed"][5:7] == ["yes", ""]
     assert rows["lr"][5:7] == ["", ""]
+    assert rows["flow_output"][3] == "(wavelet: `x0`)" and rows["flow_shift"][3] == "`2.0` (wavelet: `3.0`)"
     assert rows["batch_size"][4] == "integer ≥ 1 or `auto`"
     assert rows["results_dir"][7] == "where checkpoints, logs and samples go (null: runs/\\<config name>) |"
 

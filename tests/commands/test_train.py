@@ -19,7 +19,7 @@ from diffusion3d import configs, storage
 from diffusion3d.commands import common as _cli
 from diffusion3d.commands import train as cli
 from diffusion3d.data import DataError, DataProblems
-from tests.helpers import ROOT, subprocess_env, tiny
+from tests.helpers import ROOT, sections, subprocess_env, tiny
 
 
 def test_tiny_flags_build_the_tiny_config(tmp_path):
@@ -35,8 +35,11 @@ def test_tiny_flags_build_the_tiny_config(tmp_path):
             spacing=[1.0, 1.0, 2.0],
             image_dir=["x", "y"],
         ),
+        # in wavelet space the flags say what differs from the default config's wavelet values (velocity, AdamW)
+        tiny(tmp_path / "d", data=False, prediction="flow", sampler="euler", space="wavelet"),
     ):
-        assert cli.parse(run.flags)[1].to_dict() == run.cfg.to_dict()
+        assert sections(cli.parse(run.flags)[1]) == sections(run.cfg)
+    assert {"--flow_output", "--optimizer", "--flow_shift"} <= set(run.flags)
     run = tiny(tmp_path / "c", base=C.load(configs.DEFAULT))  # on the default config: its recipe stays
     assert "--prediction" not in run.flags and cli.parse(run.flags)[1].diffusion.prediction == "flow"
 
