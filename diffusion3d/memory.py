@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from . import config as C
+from .optimizer import split_parameters
 from .precision import AUTOCAST_DTYPES
 from .synthetic import SyntheticDataset
 from .trainer import Trainer
@@ -171,7 +172,7 @@ def synthetic_trainer(
 
 @dataclass
 class StepMemory:
-    """Bytes of one training step at a micro-batch: ``static`` (weights, EMA, AdamW moments) and the
+    """Bytes of one training step at a micro-batch: ``static`` (weights, EMA, optimizer state) and the
     measured peak of what the step's micro-batches allocate (batch, activations, gradients, temporaries)."""
 
     batch: int
@@ -183,13 +184,14 @@ class StepMemory:
         return self.static_bytes + self.step_peak_bytes
 
 
-def static_bytes(model: torch.nn.Module) -> int:
-    """Weights + EMA copy + AdamW's two moments, all fp32 like the parameters (gradients are measured). With
-    ``train.optimizer: muon`` the hidden weights keep one momentum buffer instead of two moments, so this is
-    high by one copy of them."""
+def static_bytes(model: torch.nn.Module, optimizer: str = "adamw") -> int:
+    """Weights + EMA copy + the optimizer's state, all fp32 like the parameters (gradients are measured):
+    AdamW keeps two moments per parameter; ``muon`` keeps one momentum buffer for each hidden weight
+    (``optimizer.split_parameters``) and AdamW's two moments for the rest."""
     param = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return 4 * param + 2 * buffers
+    hidden = sum(p.numel() * p.element_size() for p in split_parameters(model)[0]) if optimizer == "muon" else 0
+    return 4 * param - hidden + 2 * buffers
 
 
 def measure_step(trainer: Trainer) -> StepMemory:
@@ -201,7 +203,7 @@ def measure_step(trainer: Trainer) -> StepMemory:
     with tracker:
         trainer.accumulate()
     model.zero_grad(set_to_none=True)
-    return StepMemory(trainer.cfg.train.batch_size, static_bytes(model), tracker.peak)
+    return StepMemory(trainer.cfg.train.batch_size, static_bytes(model, trainer.cfg.train.optimizer), tracker.peak)
 
 
 def step_memory(cfg: C.Config, batch: int, device: torch.device | str = "cpu") -> StepMemory:
@@ -447,7 +449,7 @@ class EmulatedAutocast(TorchFunctionMode):
 @dataclass
 class StepEstimate(StepMemory):
     """One training step traced on the meta device at micro-batch ``batch``: ``static_bytes`` (weights, EMA,
-    AdamW moments), ``step_peak_bytes`` (the live-byte peak of the step's micro-batches: batch, activations,
+    optimizer state), ``step_peak_bytes`` (the live-byte peak of the step's micro-batches: batch, activations,
     gradients, temporaries) and ``flops`` (forward + backward of one micro-batch, recomputation included)."""
 
     flops: int = 0
@@ -497,14 +499,14 @@ def estimate_step(cfg, batch: int, accum: int = PLAN_ACCUM, rules: str = "cuda",
         trainer.accumulate()
     model.zero_grad(set_to_none=True)
     if not flops:
-        return StepEstimate(batch, static_bytes(model), tracker.peak)
+        return StepEstimate(batch, static_bytes(model, plan.train.optimizer), tracker.peak)
     # FLOPs in a trace of their own, of one micro-batch (each costs the same): FlopCounterMode's module hooks
     # keep recomputed activations alive
     plan.train.gradient_accumulate_every = 1  # the trainer's config: accumulate reads it on each call
     counter = flop_counter()
     with emulation, counter, torch.autograd.set_multithreading_enabled(False):
         trainer.accumulate()
-    return StepEstimate(batch, static_bytes(model), tracker.peak, int(counter.get_total_flops()))
+    return StepEstimate(batch, static_bytes(model, plan.train.optimizer), tracker.peak, int(counter.get_total_flops()))
 
 
 def estimate_memory_model(cfg) -> tuple[MemoryModel, int]:

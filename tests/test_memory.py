@@ -132,6 +132,21 @@ def test_meta_trace_agrees_with_the_measured_step(tmp_path, overrides):
     assert abs(estimate.step_peak_bytes - real.step_peak_bytes) <= ESTIMATE_TOLERANCE * real.step_peak_bytes
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_static_bytes_are_what_a_real_step_leaves(tmp_path, optimizer):
+    """Weights, EMA and the optimizer's state after a real step: AdamW's two moments per parameter, Muon's one
+    momentum buffer per hidden weight (and AdamW's moments for the rest) — counted tensor by tensor."""
+    trainer = synthetic_trainer(tiny_config(tmp_path, optimizer=optimizer), 1, accum=1)
+    trainer.train_step()
+    held = [*trainer.model.parameters(), *trainer.model.buffers(), *trainer.ema.module.parameters()]
+    held += [*trainer.ema.module.buffers()]
+    held += [t for state in trainer.optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
+    real = sum(t.numel() * t.element_size() for t in held)
+    assert memory.static_bytes(trainer.model, optimizer) == real
+    adamw = memory.static_bytes(trainer.model, "adamw")
+    assert (optimizer == "muon") == (real < adamw)  # Muon's state is smaller by the hidden weights
+
+
 def test_meta_trace_counts_the_flops_of_the_real_step(tmp_path):
     """FLOPs of the meta trace = FlopCounterMode on the real step, attention included (the CPU flash kernel
     has no formula of its own in torch: counted through memory.flop_counter)."""
