@@ -1,7 +1,8 @@
 """The whole run's configuration: typed dataclasses, YAML in, CLI overrides by key name, resolved YAML out.
 
 YAML files are grouped in sections (``data``, ``model``, ``diffusion``, ``train``) but every key name is
-unique across sections, so the command line overrides a key by its bare name (``--batch_size 2``).
+unique across sections, so the command line overrides a key by its bare name (``--batch_size 2``). An optional
+``wavelet`` section gives, by key name, the values the recipe takes where it trains in wavelet space.
 Values given on the command line are parsed as YAML scalars/lists (``--labels [1,2,4]``) and then
 checked against the field's type. A field's type carries its choices (``Literal``), its metadata its
 meaning (shown by ``--help``) and lower bound; each section checks itself (``validate``), and
@@ -558,9 +559,10 @@ def _wavelet_values(values: Any, source: str) -> dict[str, Any]:
     index, checked = key_index(), {}
     for key, value in values.items():
         key = ALIASES.get(key, key)
-        if key == "space" or key not in index:
-            why = "the space itself" if key == "space" else "unknown key"
-            raise ConfigError(f"{source}: {why} {key!r} in section {WAVELET!r}")
+        if key == "space":
+            raise ConfigError(f"{source}: 'space' cannot be set in section {WAVELET!r} (it is what selects it)")
+        if key not in index:
+            raise ConfigError(f"{source}: unknown key {key!r} in section {WAVELET!r}")
         try:
             checked[key] = coerce(key, value, hint_of(key), index[key][1].metadata.get("expect"))
         except ConfigError as e:

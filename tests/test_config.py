@@ -245,7 +245,7 @@ def test_a_wavelet_section_acts_only_in_wavelet_space_and_is_checked_on_load(tmp
     assert pixel.wavelet == {"flow_output": "x0", "gradient_accumulate_every": 2}
     for text, message in [
         ("wavelet:\n  flow_outpt: x0\n", "unknown key 'flow_outpt' in section 'wavelet'"),
-        ("wavelet:\n  space: pixel\n", "the space itself 'space' in section 'wavelet'"),
+        ("wavelet:\n  space: pixel\n", "'space' cannot be set in section 'wavelet' (it is what selects it)"),
         ("wavelet:\n  flow_output: x1\n", "wavelet.flow_output: 'x1' is not one of velocity, x0"),
         ("wavelet:\n  lr: fast\n", "wavelet.lr: expected a number, got 'fast'"),
         ("wavelet: [x0]\n", "section 'wavelet' must be a mapping"),
