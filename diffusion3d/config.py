@@ -188,6 +188,22 @@ class DataConfig(Section):
         "augmentation: each listed axis of the model grid (0, 1, 2; after orientation) mirrors image and mask "
         "together with probability 1/2 per sample, drawn from (seed, sample id)",
     )
+    affine_rotate: float = key(
+        0.0,
+        "augmentation: each sample is rotated about each axis by an angle drawn uniformly within ± this many "
+        "degrees, image and mask together, drawn from (seed, sample id) (0: off)",
+        at_least=0,
+    )
+    affine_scale: float = key(
+        0.0,
+        "augmentation: each sample is scaled by a factor drawn uniformly within 1 ± this (isotropic; 0: off)",
+        at_least=0,
+    )
+    affine_translate: float = key(
+        0.0,
+        "augmentation: each sample is shifted along each axis by up to ± this fraction of the grid (0: off)",
+        at_least=0,
+    )
     output_intensity: Literal["unit", "model", "source"] = key(
         "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)"
     )
@@ -226,6 +242,11 @@ class DataConfig(Section):
             raise ConfigError("lower_percentile/upper_percentile: need 0 <= lower < upper <= 100")
         if len(set(self.flip_axes)) != len(self.flip_axes) or any(a not in (0, 1, 2) for a in self.flip_axes):
             raise ConfigError(f"flip_axes: distinct spatial axes from 0, 1, 2, got {self.flip_axes}")
+        if self.affine_rotate > 180 or self.affine_scale >= 1 or self.affine_translate >= 1:
+            raise ConfigError(
+                "affine_rotate/affine_scale/affine_translate: need a rotation of at most 180 degrees and a scale and "
+                f"shift under 1, got {self.affine_rotate}, {self.affine_scale}, {self.affine_translate}"
+            )
         if self.wavelet_levels not in (1, 2):
             raise ConfigError(f"wavelet_levels: must be 1 or 2, got {self.wavelet_levels}")
         if self.output_intensity == "source" and self.intensity != "range":

@@ -18,6 +18,7 @@ SALT_PERMUTATION = 2
 SALT_SAMPLING = 3
 SALT_COND_DROP = 4
 SALT_FLIP = 5
+SALT_AFFINE = 6
 
 
 def derive_seed(*parts: int) -> int:

@@ -40,13 +40,21 @@ WAVELET_1, WAVELET_2 = {"space": "wavelet", "wavelet_levels": 1}, {"space": "wav
 
 @pytest.mark.parametrize(
     "space",
-    [{}, WAVELET_1, WAVELET_2, {"flip_axes": [0, 1, 2]}, {"optimizer": "muon"}, {**WAVELET_1, "optimizer": "muon"}],
-    ids=["pixel", "wavelet1", "wavelet2", "pixel_flips", "muon", "wavelet1_muon"],
+    [
+        {},
+        WAVELET_1,
+        WAVELET_2,
+        {"flip_axes": [0, 1, 2]},
+        {**WAVELET_1, "affine_rotate": 10.0, "affine_scale": 0.1, "affine_translate": 0.05},
+        {"optimizer": "muon"},
+        {**WAVELET_1, "optimizer": "muon"},
+    ],
+    ids=["pixel", "wavelet1", "wavelet2", "pixel_flips", "wavelet1_affine", "muon", "wavelet1_muon"],
 )
 def test_exact_resume_in_process(tmp_path, space):
     """N steps straight == N/2 steps, checkpoint, a fresh Trainer, N/2 steps: bitwise (CPU, fp32), in every space,
-    with flip augmentation (each sample's flips are drawn from (seed, sample id)) and with Muon (its momentum
-    buffers and AdamW's moments come back from the checkpoint)."""
+    with flip and affine augmentation (each sample's flips and affine are drawn from (seed, sample id)) and with
+    Muon (its momentum buffers and AdamW's moments come back from the checkpoint)."""
     cfg = tiny_config(tmp_path, batch_size=1, gradient_accumulate_every=2, train_num_steps=4, **space)
     cases = discover(cfg)
     straight = build_trainer(cfg, cases, "cpu", None)

@@ -513,6 +513,62 @@ def test_flips_are_drawn_per_sample_and_mirror_image_and_mask_together(tmp_path)
     assert [a for a in flipped_axes(3, 7, [0, 1, 2]) if a != 1] == flipped_axes(3, 7, [0, 2])
 
 
+def test_affine_augmentation_is_drawn_per_sample_and_moves_image_and_mask_together(tmp_path):
+    """data.affine_*: sample k is rotated, scaled and shifted by a draw from (seed, k), the same whatever the batch
+    split or resume point; image and mask move together, the mask keeps its labels, the image's fill is the
+    background (-1); all ranges 0 leaves every sample untouched."""
+    from diffusion3d.data.stream import AffineDraw, AffineRanges, affine_draw, affine_item
+
+    dataset, cfg = _stream_dataset(tmp_path)
+    cfg.data.affine_rotate, cfg.data.affine_scale, cfg.data.affine_translate = 10.0, 0.1, 0.05
+    ranges = AffineRanges(10.0, 0.1, 0.05)
+    reference = D.SampleStream(5, seed=3)
+    for batch_size, start in ((2, 0), (1, 0), (3, 6)):
+        loader = iter(D.make_loader(dataset, D.SampleStream(5, seed=3, samples_seen=start), batch_size, cfg, False))
+        for _ in range(6 // batch_size):
+            batch = next(loader)
+            for j, k in enumerate(int(i) for i in batch["sample_id"]):
+                item = D.plain(dataset[reference.index(k)])
+                moved = affine_item(item, affine_draw(3, k, ranges))
+                torch.testing.assert_close(batch["image"][j], moved["image"], atol=0, rtol=0)
+                torch.testing.assert_close(batch["mask"][j], moved["mask"], atol=0, rtol=0)
+                assert not torch.equal(moved["image"], item["image"])
+                assert set(moved["mask"].unique().tolist()) <= set(item["mask"].unique().tolist())
+                assert moved["image"].dtype == item["image"].dtype and moved["mask"].dtype == item["mask"].dtype
+
+    draws = [affine_draw(3, k, ranges) for k in range(400)]
+    angles = np.array([d.angles for d in draws])
+    assert np.abs(angles).max() <= np.deg2rad(10.0) and np.abs(angles).max() > np.deg2rad(9.0)
+    assert all(0.9 <= d.scale <= 1.1 for d in draws) and all(max(map(abs, d.shift)) <= 0.05 for d in draws)
+    assert len({d.angles for d in draws}) == 400
+    # one range changed: the other parameters' draws stay
+    assert affine_draw(3, 7, AffineRanges(10.0, 0.0, 0.05)).angles == draws[7].angles
+    assert affine_draw(3, 7, AffineRanges(0.0, 0.1, 0.0)).scale == draws[7].scale
+    assert affine_draw(3, 7, AffineRanges()) is None
+    item = D.plain(dataset[0])
+    assert affine_item(item, None) is item
+
+    # a box whose image is bright where its mask is 2: rotated 20 degrees about one axis and shifted, the two still
+    # overlap, the box really moved, and the corners, which come from outside the grid, are background (-1, not 0)
+    image = -torch.ones(1, 24, 24, 24)
+    mask = torch.zeros(1, 24, 24, 24, dtype=torch.uint8)
+    image[:, 6:18, 4:16, 8:14], mask[:, 6:18, 4:16, 8:14] = 0.8, 2
+    moved = affine_item({"image": image, "mask": mask}, AffineDraw((0.35, 0.0, 0.0), 1.0, (0.0, 0.1, 0.0)))
+    bright, labelled = moved["image"] > -0.1, moved["mask"] == 2
+    assert 2 * (bright & labelled).sum() / (bright.sum() + labelled.sum()) > 0.95
+    assert (labelled != (mask == 2)).sum() > 200
+    assert torch.all(moved["image"][0, :, 0, 0] == -1.0) and torch.all(moved["mask"][0, :, 0, 0] == 0)
+
+
+@pytest.mark.parametrize(
+    "name, value", [("affine_rotate", -1.0), ("affine_rotate", 200.0), ("affine_scale", 1.0), ("affine_translate", 1.5)]
+)
+def test_affine_ranges_are_checked(tmp_path, name, value):
+    cfg = tiny(tmp_path).cfg
+    with pytest.raises(C.ConfigError, match=name):
+        cfg.override(**{name: value})
+
+
 @pytest.mark.parametrize("axes", [[3], [0, 0], [-1]])
 def test_flip_axes_must_be_distinct_spatial_axes(tmp_path, axes):
     cfg = tiny(tmp_path, data=False).cfg

@@ -95,6 +95,23 @@ def test_flips_reach_training_and_keep_the_split_invariance(tmp_path):
     assert (runs["2x1"] - runs["plain"]).abs().max() > 1e-3 * scale
 
 
+def test_affine_augmentation_reaches_training_and_keeps_the_split_invariance(tmp_path):
+    """data.affine_*: each sample's rotation, scale and shift change what is trained on, and 2 × 1 and 1 × 2
+    still take the same steps (the draw is per sample id, not per micro-batch)."""
+    ranges = {"affine_rotate": 10.0, "affine_scale": 0.1, "affine_translate": 0.05}
+    runs, losses = {}, {}
+    for name, bs, accum, aug in (("plain", 2, 1, {}), ("2x1", 2, 1, ranges), ("1x2", 1, 2, ranges)):
+        cfg = tiny_config(tmp_path / name, batch_size=bs, gradient_accumulate_every=accum, max_grad_norm=1e9, **aug)
+        trainer = trainer_for(cfg)
+        losses[name] = [trainer.train_step().loss for _ in range(3)]
+        runs[name] = flat_weights(trainer.model)
+    scale = runs["2x1"].abs().max()
+    # Adam turns the float rounding of near-zero gradient entries into lr-sized steps: a few 1e-5s, not data's
+    assert (runs["2x1"] - runs["1x2"]).abs().max() <= 5e-5 * scale
+    assert losses["2x1"] == pytest.approx(losses["1x2"], rel=1e-4)
+    assert (runs["2x1"] - runs["plain"]).abs().max() > 1e-3 * scale
+
+
 @pytest.mark.parametrize("levels, cond", [(1, "haar"), (2, "haar"), (1, "pool"), (1, "labelmap")])
 def test_accumulation_invariance_in_wavelet_space(tmp_path, levels, cond):
     """Every split of the effective batch accumulates the same gradient and loss when the diffusion runs on

@@ -1,21 +1,25 @@
 """The deterministic endless stream and its loader.
 
-The k-th sample of a run (which case it is, and which axes it is mirrored along with ``data.flip_axes``)
-depends only on ``(seed, k)``: one seeded permutation of the training cases per epoch, one seeded draw per
-sample. Micro-batches are cut from that sequence, so batch_size × accum × world_size is a free split of the
-same samples, and the stream position (``samples_seen``) is all a resume needs.
+The k-th sample of a run (which case it is, which axes it is mirrored along with ``data.flip_axes``, and
+its random rotation, scale and shift with ``data.affine_*``) depends only on ``(seed, k)``: one seeded
+permutation of the training cases per epoch, one seeded draw per sample and augmentation. Micro-batches are
+cut from that sequence, so batch_size × accum × world_size is a free split of the same samples, and the
+stream position (``samples_seen``) is all a resume needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from monai.data import MetaTensor
+from monai.transforms import Affine
 
 from ..config import Config
-from ..seeding import SALT_FLIP, SALT_PERMUTATION, derive_seed
+from ..seeding import SALT_AFFINE, SALT_FLIP, SALT_PERMUTATION, derive_seed
 from .transforms import plain
 
 
@@ -66,15 +70,80 @@ def flip_item(item: dict[str, Any], axes: Sequence[int]) -> dict[str, Any]:
     return {k: torch.flip(v, dims) if k in ("image", "mask") else v for k, v in item.items()}
 
 
+@dataclass(frozen=True)
+class AffineRanges:
+    """``data.affine_rotate`` (degrees), ``affine_scale`` and ``affine_translate`` (fractions); all 0: off."""
+
+    rotate: float = 0.0
+    scale: float = 0.0
+    translate: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.rotate or self.scale or self.translate)
+
+
+@dataclass(frozen=True)
+class AffineDraw:
+    """One sample's rotation (radians about each axis), isotropic scale and shift (fraction of each axis)."""
+
+    angles: tuple[float, float, float]
+    scale: float
+    shift: tuple[float, float, float]
+
+
+def affine_draw(seed: int, k: int, ranges: AffineRanges) -> AffineDraw | None:
+    """Sample ``k``'s affine, uniform within ``ranges``, from (seed, k); None when augmentation is off. Seven
+    draws whatever the ranges, so changing one range leaves the other parameters' draws alone."""
+    if not ranges:
+        return None
+    u = np.random.default_rng(derive_seed(seed, SALT_AFFINE, k)).uniform(-1.0, 1.0, 7)
+    angles = np.deg2rad(ranges.rotate) * u[:3]
+    shift = ranges.translate * u[4:]
+    return AffineDraw(
+        (float(angles[0]), float(angles[1]), float(angles[2])),
+        float(1.0 + ranges.scale * u[3]),
+        (float(shift[0]), float(shift[1]), float(shift[2])),
+    )
+
+
+def affine_item(item: dict[str, Any], draw: AffineDraw | None) -> dict[str, Any]:
+    """Image and mask ([C, D, H, W]) resampled together through one affine about the grid's centre (MONAI's
+    ``Affine``): the image bilinearly, filled with -1 (the background, as the grid fit pads it), the mask by
+    nearest neighbour, filled with 0, so labels stay labels."""
+    if draw is None:
+        return item
+    size = item["image"].shape[1:]
+    transform = Affine(
+        rotate_params=list(draw.angles),
+        scale_params=[draw.scale] * 3,
+        translate_params=[s * n for s, n in zip(draw.shift, size)],
+        padding_mode="zeros",
+        image_only=True,
+    )
+
+    def resample(volume: torch.Tensor, mode: str) -> torch.Tensor:
+        out = transform(volume, mode=mode)
+        return out.as_tensor() if isinstance(out, MetaTensor) else out
+
+    image = item["image"]
+    moved_image = (resample(image.float() + 1.0, "bilinear") - 1.0).to(image.dtype)
+    mask = item["mask"]
+    moved_mask = resample(mask.float(), "nearest").round().to(mask.dtype)
+    return {**item, "image": moved_image, "mask": moved_mask}
+
+
 class _StreamView(torch.utils.data.Dataset):
-    def __init__(self, dataset, stream: SampleStream, flip_axes: Sequence[int] = ()) -> None:
-        self.dataset, self.stream, self.flip_axes = dataset, stream, list(flip_axes)
+    def __init__(
+        self, dataset, stream: SampleStream, flip_axes: Sequence[int] = (), affine: AffineRanges = AffineRanges()
+    ) -> None:
+        self.dataset, self.stream, self.flip_axes, self.affine = dataset, stream, list(flip_axes), affine
 
     def __len__(self) -> int:
         return 2**62
 
     def __getitem__(self, k: int) -> dict[str, Any]:
         item = plain(self.dataset[self.stream.index(k)])
+        item = affine_item(item, affine_draw(self.stream.seed, k, self.affine))
         item = flip_item(item, flipped_axes(self.stream.seed, k, self.flip_axes))
         item["sample_id"] = k
         return item
@@ -97,7 +166,9 @@ def make_loader(
     dataset, stream: SampleStream, batch_size: int, cfg: Config, pin_memory: bool, rank: int = 0, world_size: int = 1
 ):
     """An endless loader of micro-batches starting at ``stream.samples_seen``; the caller advances the stream."""
-    view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed), cfg.data.flip_axes)
+    d = cfg.data
+    affine = AffineRanges(d.affine_rotate, d.affine_scale, d.affine_translate)
+    view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed), d.flip_axes, affine)
     workers = cfg.data.num_workers
     return torch.utils.data.DataLoader(
         view,
