@@ -17,7 +17,7 @@ Distances:
   tr sqrt(Σa Σb) is the nuclear norm of A Bᵀ (an n × m matrix), so
   FID = |μa − μb|² + |A|²_F + |B|²_F − 2 |A Bᵀ|_*. This is MONAI's ``FIDMetric`` formula; MONAI evaluates it
   with ``scipy.linalg.sqrtm`` of a 2048 × 2048 product that is singular whenever a set has fewer than 2049
-  volumes (and scipy is not a dependency here). A set with itself gives 0 up to rounding.
+  volumes. A set with itself gives 0 up to rounding.
 - **MMD**: the unbiased estimate of MMD² with the linear kernel, i.e. of |E f(real) − E f(synthetic)|²:
   MONAI's ``MMDMetric`` formula, written out because MONAI's accepts only sets of equal size. Its expectation
   is 0 for two independent sets from one distribution,
