@@ -174,7 +174,7 @@ def make_loader(
     d = cfg.data
     affine = AffineRanges(d.affine_rotate, d.affine_scale, d.affine_translate)
     view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed), d.flip_axes, affine)
-    workers = cfg.data.num_workers
+    workers = d.num_workers
     return torch.utils.data.DataLoader(
         view,
         batch_sampler=_MicroBatches(stream, batch_size, rank, world_size),
