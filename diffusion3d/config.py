@@ -204,6 +204,12 @@ class DataConfig(Section):
         "augmentation: each sample is shifted along each axis by up to ± this fraction of the grid (0: off)",
         at_least=0,
     )
+    affine_prob: float = key(
+        1.0,
+        "augmentation: the share of samples the affine_* ranges move, drawn from (seed, sample id); the rest train "
+        "on the volumes as they are, unresampled",
+        at_least=0,
+    )
     output_intensity: Literal["unit", "model", "source"] = key(
         "unit", "written samples in [0, 1] (unit), [-1, 1] (model) or intensity_range (source)"
     )
@@ -247,6 +253,8 @@ class DataConfig(Section):
                 "affine_rotate/affine_scale/affine_translate: need a rotation of at most 180 degrees and a scale and "
                 f"shift under 1, got {self.affine_rotate}, {self.affine_scale}, {self.affine_translate}"
             )
+        if self.affine_prob > 1:
+            raise ConfigError(f"affine_prob: a probability, at most 1, got {self.affine_prob}")
         if self.wavelet_levels not in (1, 2):
             raise ConfigError(f"wavelet_levels: must be 1 or 2, got {self.wavelet_levels}")
         if self.output_intensity == "source" and self.intensity != "range":

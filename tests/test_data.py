@@ -545,6 +545,11 @@ def test_affine_augmentation_is_drawn_per_sample_and_moves_image_and_mask_togeth
     assert affine_draw(3, 7, AffineRanges(10.0, 0.0, 0.05)).angles == draws[7].angles
     assert affine_draw(3, 7, AffineRanges(0.0, 0.1, 0.0)).scale == draws[7].scale
     assert affine_draw(3, 7, AffineRanges()) is None
+    # affine_prob: about that share of the samples is moved, each by the draw it has at probability 1
+    half = [affine_draw(3, k, AffineRanges(10.0, 0.1, 0.05, prob=0.3)) for k in range(400)]
+    assert 0.22 < sum(d is not None for d in half) / 400 < 0.38
+    assert all(d is None or d == draws[k] for k, d in enumerate(half))
+    assert affine_draw(3, 7, AffineRanges(10.0, 0.1, 0.05, prob=0.0)) is None
     item = D.plain(dataset[0])
     assert affine_item(item, None) is item
 
@@ -574,7 +579,15 @@ def test_affine_augmentation_is_drawn_per_sample_and_moves_image_and_mask_togeth
 
 
 @pytest.mark.parametrize(
-    "name, value", [("affine_rotate", -1.0), ("affine_rotate", 200.0), ("affine_scale", 1.0), ("affine_translate", 1.5)]
+    "name, value",
+    [
+        ("affine_rotate", -1.0),
+        ("affine_rotate", 200.0),
+        ("affine_scale", 1.0),
+        ("affine_translate", 1.5),
+        ("affine_prob", 1.5),
+        ("affine_prob", -0.1),
+    ],
 )
 def test_affine_ranges_are_checked(tmp_path, name, value):
     cfg = tiny(tmp_path).cfg

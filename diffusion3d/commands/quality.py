@@ -10,7 +10,7 @@ Two sets, each written afresh with its own seeds (the test masks are never train
 
 At every ``eval_every`` optimizer steps (and at the end) the EMA model (``--weights``: and/or the trained weights
 themselves, ``model`` as in ``sample --weights``; one training run for both) samples every test mask
-``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance]``) and the samples are
+``samples_per_mask`` times with each requested sampler (``sampler:steps[:guidance][:shift=S]``) and the samples are
 scored against the truth by ``diffusion3d.evaluation.metrics`` (per-label mean error, Otsu Dice of head and lesion,
 contrast ratio, SSIM, PSNR, sharpness ratio, diversity). The phantom set also draws each test mask a second
 time (same mask, independent texture and noise): the samples' diversity is reported beside the data's own
@@ -226,25 +226,56 @@ class SamplingSpec:
     sampler: str
     steps: int
     guidance: float | None = None  # None: the config's
+    shift: float | None = None  # flow models' sampling_shift; None: the config's
 
     @property
     def label(self) -> str:
-        return f"{self.sampler}-{self.steps}" + (f"-w{self.guidance:g}" if self.guidance is not None else "")
+        return (
+            f"{self.sampler}-{self.steps}"
+            + (f"-w{self.guidance:g}" if self.guidance is not None else "")
+            + (f"-s{self.shift:g}" if self.shift is not None else "")
+        )
+
+    def config(self, cfg: C.Config) -> C.Config:
+        """``cfg`` as this spec samples it: with its sampling shift where it sets one."""
+        return cfg if self.shift is None else cfg.override([("sampling_shift", self.shift)])
+
+
+SAMPLING_FORM = "sampler:steps[:guidance][:shift=S]"
 
 
 def parse_sampling(text: str | None, cfg: C.Config) -> list[SamplingSpec]:
-    """``sampler:steps[:guidance]`` items separated by commas; empty: the config's sampler and steps."""
+    """``sampler:steps[:guidance][:shift=S]`` items separated by commas; empty: the config's sampler and steps.
+    ``shift=S`` samples a flow model on a time grid of shift S (as ``sample --sampling_shift``), so one training
+    run scores several shifts."""
     if not text:
         return [SamplingSpec(cfg.diffusion.sampler, cfg.diffusion.sampling_steps)]
     specs = []
     for item in text.split(","):
         parts = item.strip().split(":")
+        shift = None
+        if len(parts) > 2 and parts[-1].startswith("shift="):
+            shift = parts.pop()[len("shift=") :]
         try:
-            spec = SamplingSpec(parts[0], int(parts[1]), float(parts[2]) if len(parts) > 2 else None)
+            spec = SamplingSpec(
+                parts[0],
+                int(parts[1]),
+                float(parts[2]) if len(parts) > 2 else None,
+                float(shift) if shift is not None else None,
+            )
+            if len(parts) > 3:
+                raise ValueError
         except (IndexError, ValueError):
-            raise QualityError(f"--sampling: expected sampler:steps[:guidance], got {item!r}") from None
+            raise QualityError(f"--sampling: expected {SAMPLING_FORM}, got {item!r}") from None
         if spec.steps < 1:
             raise QualityError(f"--sampling: {item!r}: steps must be at least 1")
+        if spec.shift is not None:
+            if cfg.diffusion.prediction != "flow":
+                raise QualityError(
+                    f"--sampling: {item!r}: shift applies to prediction: flow, not {cfg.diffusion.prediction}"
+                )
+            if not spec.shift > 0:
+                raise QualityError(f"--sampling: {item!r}: shift must be positive")
         specs.append(spec)
     return specs
 
@@ -319,6 +350,7 @@ def evaluate_model(
     """Sample every test mask ``samples_per_mask`` times with ``spec``; score against the truth.
     With ``save_dir`` the samples are written there as ``<case>_sample<j>.nii.gz`` (beside ``<case>_truth``)."""
     labels = cfg.data.labels
+    cfg = spec.config(cfg)
     recipe = resolve(cfg, spec.sampler, spec.steps, spec.guidance)
     grids = [grid for grid in (ModelGridMask(c.mask.astype(np.uint8)) for c in cases) for _ in range(samples_per_mask)]
     seeds = [int(seed * 1000003 + 7919 * c + j) for c in range(len(cases)) for j in range(samples_per_mask)]
@@ -470,7 +502,11 @@ def build_parser(prog: str = "python -m diffusion3d quality") -> argparse.Argume
     p.add_argument("--sets", default="phantom,realistic", help="phantom, realistic or both (default)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's train_num_steps)")
     p.add_argument("--eval_every", type=int, default=250, help="score every N steps and at the end")
-    p.add_argument("--sampling", default=None, help="sampler:steps[:guidance],... (default: the config's)")
+    p.add_argument(
+        "--sampling",
+        default=None,
+        help=f"{SAMPLING_FORM},... (default: the config's); shift=S: a flow model's sampling_shift",
+    )
     p.add_argument(
         "--weights",
         default="ema",

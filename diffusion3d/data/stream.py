@@ -72,14 +72,16 @@ def flip_item(item: dict[str, Any], axes: Sequence[int]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class AffineRanges:
-    """``data.affine_rotate`` (degrees), ``affine_scale`` and ``affine_translate`` (fractions); all 0: off."""
+    """``data.affine_rotate`` (degrees), ``affine_scale`` and ``affine_translate`` (fractions), all 0: off; and
+    ``affine_prob``, the share of samples augmented (the rest are the training volumes as they are)."""
 
     rotate: float = 0.0
     scale: float = 0.0
     translate: float = 0.0
+    prob: float = 1.0
 
     def __bool__(self) -> bool:
-        return bool(self.rotate or self.scale or self.translate)
+        return bool(self.rotate or self.scale or self.translate) and self.prob > 0
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,14 @@ class AffineDraw:
 
 
 def affine_draw(seed: int, k: int, ranges: AffineRanges) -> AffineDraw | None:
-    """Sample ``k``'s affine, uniform within ``ranges``, from (seed, k); None when augmentation is off. Seven
-    draws whatever the ranges, so changing one range leaves the other parameters' draws alone."""
+    """Sample ``k``'s affine, uniform within ``ranges``, from (seed, k); None when augmentation is off or sample
+    ``k`` is among the ``1 - prob`` left as it is. Eight draws whatever the ranges (the eighth decides ``prob``), so
+    changing one range or the probability leaves the other parameters' draws alone."""
     if not ranges:
         return None
-    u = np.random.default_rng(derive_seed(seed, SALT_AFFINE, k)).uniform(-1.0, 1.0, 7)
+    u = np.random.default_rng(derive_seed(seed, SALT_AFFINE, k)).uniform(-1.0, 1.0, 8)
+    if (u[7] + 1.0) / 2.0 >= ranges.prob:
+        return None
     angles = np.deg2rad(ranges.rotate) * u[:3]
     shift = ranges.translate * u[4:]
     return AffineDraw(
@@ -172,7 +177,7 @@ def make_loader(
 ):
     """An endless loader of micro-batches starting at ``stream.samples_seen``; the caller advances the stream."""
     d = cfg.data
-    affine = AffineRanges(d.affine_rotate, d.affine_scale, d.affine_translate)
+    affine = AffineRanges(d.affine_rotate, d.affine_scale, d.affine_translate, d.affine_prob)
     view = _StreamView(dataset, SampleStream(stream.num_cases, stream.seed), d.flip_axes, affine)
     workers = d.num_workers
     return torch.utils.data.DataLoader(

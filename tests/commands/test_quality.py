@@ -101,6 +101,26 @@ def test_parse_sampling():
     assert [(s.sampler, s.steps, s.guidance) for s in specs] == [("euler", 10, None), ("heun", 5, 2.0)]
     with pytest.raises(Q.QualityError, match="sampler:steps"):
         Q.parse_sampling("euler", cfg)
+    with pytest.raises(Q.QualityError, match="prediction: flow"):  # a Gaussian model has no time grid to shift
+        Q.parse_sampling("ddim:10:shift=1", cfg)
+
+
+def test_sampling_spec_shift_reaches_the_sampler():
+    cfg = Q.C.Config().override(prediction="flow", sampler="euler", flow_shift=3.0)
+    specs = Q.parse_sampling("euler:10:shift=0.5,heun:5:1.5:shift=2,euler:10", cfg)
+    assert [(s.sampler, s.steps, s.guidance, s.shift) for s in specs] == [
+        ("euler", 10, None, 0.5),
+        ("heun", 5, 1.5, 2.0),
+        ("euler", 10, None, None),
+    ]
+    assert [s.label for s in specs] == ["euler-10-s0.5", "heun-5-w1.5-s2", "euler-10"]
+    grids = [Q.make_diffusion(s.config(cfg)).time_grid(10) for s in specs]
+    # shift 0.5 puts the grid's steps nearer t = 0 than the training's 3; no shift keeps the training's
+    assert grids[0][5] < grids[2][5] and grids[2] == Q.make_diffusion(cfg).time_grid(10)
+    assert cfg.diffusion.sampling_shift is None  # the spec's config is a copy
+    for bad in ("euler:10:shift=0", "euler:10:shift=x", "euler:10:1:2:3"):
+        with pytest.raises(Q.QualityError, match="--sampling"):
+            Q.parse_sampling(bad, cfg)
 
 
 def test_command_trains_scores_and_writes_json(tmp_path, capsys):
