@@ -212,11 +212,11 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[
     breaking, harmless = [], []
     defaults = Config().to_dict()
     for section in sorted(set(saved) | set(current)):
+        if section == WAVELET:
+            continue  # values for a space the run may not train in; a wavelet run's are in its sections
         old, new = saved.get(section), current.get(section)
         if isinstance(old, dict) and isinstance(defaults.get(section), dict):
             old = {**defaults[section], **old}
-        if section == WAVELET:
-            continue  # values for a space the run may not train in; a wavelet run's are in its sections
         if not isinstance(old, dict) or not isinstance(new, dict):
             if old != new and section != "name":
                 harmless.append(f"{section}: {old!r} -> {new!r}")
