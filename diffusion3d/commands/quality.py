@@ -253,29 +253,28 @@ def parse_sampling(text: str | None, cfg: C.Config) -> list[SamplingSpec]:
     specs = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        shift = None
-        if len(parts) > 2 and parts[-1].startswith("shift="):
-            shift = parts.pop()[len("shift=") :]
+        shift = parts.pop()[len("shift=") :] if len(parts) > 2 and parts[-1].startswith("shift=") else None
         try:
+            if len(parts) not in (2, 3):
+                raise ValueError
             spec = SamplingSpec(
                 parts[0],
                 int(parts[1]),
                 float(parts[2]) if len(parts) > 2 else None,
                 float(shift) if shift is not None else None,
             )
-            if len(parts) > 3:
-                raise ValueError
-        except (IndexError, ValueError):
+        except ValueError:
             raise QualityError(f"--sampling: expected {SAMPLING_FORM}, got {item!r}") from None
         if spec.steps < 1:
             raise QualityError(f"--sampling: {item!r}: steps must be at least 1")
-        if spec.shift is not None:
-            if cfg.diffusion.prediction != "flow":
-                raise QualityError(
-                    f"--sampling: {item!r}: shift applies to prediction: flow, not {cfg.diffusion.prediction}"
-                )
-            if not spec.shift > 0:
-                raise QualityError(f"--sampling: {item!r}: shift must be positive")
+        if spec.shift is not None and cfg.diffusion.prediction != "flow":
+            raise QualityError(
+                f"--sampling: {item!r}: shift applies to prediction: flow, not {cfg.diffusion.prediction}"
+            )
+        try:
+            spec.config(cfg)  # the config's own check of the shift (positive)
+        except C.ConfigError as e:
+            raise QualityError(f"--sampling: {item!r}: {e}") from None
         specs.append(spec)
     return specs
 

@@ -103,7 +103,7 @@ def affine_draw(seed: int, k: int, ranges: AffineRanges) -> AffineDraw | None:
     if (u[7] + 1.0) / 2.0 >= ranges.prob:
         return None
     angles = np.deg2rad(ranges.rotate) * u[:3]
-    shift = ranges.translate * u[4:]
+    shift = ranges.translate * u[4:7]
     return AffineDraw(
         (float(angles[0]), float(angles[1]), float(angles[2])),
         float(1.0 + ranges.scale * u[3]),
