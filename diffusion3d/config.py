@@ -349,6 +349,8 @@ class DiffusionConfig(Section):
             raise ConfigError(f"flow_shift: must be positive, got {self.flow_shift}")
         if self.sampling_shift is not None and self.sampling_shift <= 0:
             raise ConfigError(f"sampling_shift: must be positive, got {self.sampling_shift}")
+        if not flow and self.sampling_shift is not None:
+            raise ConfigError(f"sampling_shift: applies to prediction: flow, not {self.prediction}")
         if not 0.0 < self.flow_x0_min_t <= 1.0:
             raise ConfigError(f"flow_x0_min_t: must be in (0, 1], got {self.flow_x0_min_t}")
         if not 0.0 <= self.cond_drop_prob < 1.0:

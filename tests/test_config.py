@@ -29,6 +29,7 @@ from tests.helpers import ROOT, configure
         (dict(guidance_scale=2.0, with_condition=False), "guidance_scale: needs with_condition"),
         (dict(prediction="flow", sampler="euler", flow_shift=0.0), "flow_shift: must be positive"),
         (dict(prediction="flow", sampler="euler", sampling_shift=-1.0), "sampling_shift: must be positive"),
+        (dict(sampling_shift=1.0), "sampling_shift: applies to prediction: flow, not eps"),
         (dict(prediction="flow", sampler="euler", flow_x0_min_t=0.0), "flow_x0_min_t: must be in (0, 1]"),
     ],
 )

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from .. import checkpoint as ckpt
 from .. import sampling, storage
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data import NIFTI_SUFFIXES, DataError, MaskGrid, case_name, scan_folder
 from ..diffusion import SAMPLERS, samplers_of
 from .common import InputError, OneLineParser, configure_logging, device_flag, run_command
@@ -166,12 +166,10 @@ def run(argv: list[str] | None = None) -> list[Path]:
     grids = {case: sampling.load_mask(path, cfg) for case, path in masks}  # each file read once, all checked
     jobs = plan(masks, args.n, args.out, args.overwrite)
     if args.sampling_shift is not None:
-        if cfg.diffusion.prediction != "flow":
-            raise InputError(
-                f"--sampling_shift: this checkpoint's model is Gaussian diffusion (prediction "
-                f"{cfg.diffusion.prediction}); the shift applies to prediction: flow"
-            )
-        cfg.diffusion.sampling_shift = args.sampling_shift
+        try:
+            cfg = cfg.override(sampling_shift=args.sampling_shift)
+        except ConfigError as e:
+            raise InputError(f"--sampling_shift: this checkpoint's {e}") from None
     try:
         recipe = sampling.resolve(cfg, args.sampler, args.steps, args.guidance_scale)
     except sampling.SamplingError as e:

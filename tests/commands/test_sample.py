@@ -362,8 +362,8 @@ def test_sampling_shift_is_refused_for_a_gaussian_checkpoint(run, tmp_path, caps
     )
     assert code == 2
     assert err.strip().splitlines() == [
-        f"error: --sampling_shift: this checkpoint's model is Gaussian diffusion (prediction "
-        f"{cfg.diffusion.prediction}); the shift applies to prediction: flow"
+        f"error: --sampling_shift: this checkpoint's sampling_shift: applies to prediction: flow, "
+        f"not {cfg.diffusion.prediction}"
     ]
     assert not out.exists()
 
