@@ -190,6 +190,11 @@ WAVELET_RECIPE = {  # configs/default.yaml's wavelet section (docs/performance.m
     "optimizer": "muon",
     "muon_lr_ratio": 3.0,
     "sampling_steps": 10,
+    "affine_rotate": 5.0,
+    "affine_scale": 0.05,
+    "affine_translate": 0.03,
+    "affine_prob": 0.25,
+    "sampling_shift": 0.5,
 }
 
 
@@ -212,6 +217,11 @@ def test_the_demo_config_trains_in_wavelet_space_with_its_wavelet_values():
         "optimizer": "adamw",
         "muon_lr_ratio": 1.0,
         "sampling_steps": 25,
+        "affine_rotate": 0.0,
+        "affine_scale": 0.0,
+        "affine_translate": 0.0,
+        "affine_prob": 1.0,
+        "sampling_shift": None,
     }
     assert pixel.wavelet == WAVELET_RECIPE  # kept: a later --space wavelet still gets it
     wavelet = demo.override(space="wavelet", image_size=[64, 64, 64])
